@@ -1,0 +1,55 @@
+//! Tile sizes from cache sizes.
+//!
+//! The IO argument of the seeds (Algorithm 1: `Bc = ceil(M / 4d)`, `Br = min(Bc, d)`) with the
+//! CPU's caches in place of SRAM: the key/value tile (`Bc × (d + dv)` f32, reused by every row of
+//! the query tile) should stay in L2 alongside the query tile, the output accumulator and the
+//! `Br × Bc` score tile, so each key/value element is read from memory once per query tile.
+
+/// L2 bytes per core we plan to use (of 2 MB on the target machines; half, leaving room for the
+/// streamed inputs and the other tenant of a shared cache).
+const L2_BUDGET: usize = 1 << 20;
+
+/// Rows and columns of a tile of the score matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tiles {
+    /// Query rows per tile (`Br`).
+    pub br: usize,
+    /// Key columns per tile (`Bc`).
+    pub bc: usize,
+}
+
+/// Tile sizes for head dims `d`, `dv`, given the longest query sequence and the number of
+/// `(sequence, head)` pairs to spread over `threads`.
+pub fn tiles(d: usize, dv: usize, max_sq: usize, pairs: usize, threads: usize) -> Tiles {
+    // Key/value tile: as wide as the budget allows, a multiple of 16, between 16 and 128.
+    let kv_row_bytes = 4 * (d + dv);
+    let bc = (L2_BUDGET / 2 / kv_row_bytes).clamp(16, 128) / 16 * 16;
+    // Query tile: 64 rows, fewer when the batch is too small to give every thread a few tiles.
+    let mut br = 64;
+    while br > 16 && pairs * max_sq.div_ceil(br) < 4 * threads {
+        br /= 2;
+    }
+    Tiles { br: br.min(max_sq.max(1)), bc }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_stay_within_bounds_for_every_head_dim() {
+        for d in [1, 7, 64, 128, 256, 512] {
+            let t = tiles(d, d, 4096, 8, 2);
+            assert!(t.bc >= 16 && t.bc <= 128 && t.bc % 16 == 0);
+            assert!(t.br >= 16 && t.br <= 64);
+            assert!(4 * t.bc * 2 * d <= L2_BUDGET);
+        }
+    }
+
+    #[test]
+    fn small_batches_get_smaller_query_tiles() {
+        assert_eq!(tiles(64, 64, 128, 1, 2).br, 16);
+        assert_eq!(tiles(64, 64, 4096, 8, 2).br, 64);
+        assert_eq!(tiles(64, 64, 5, 1, 2).br, 5);
+    }
+}

@@ -1,0 +1,120 @@
+//! The CPU backend: tiled FlashAttention with an online softmax, parallel over
+//! `(sequence, head, query tile)` with rayon.
+//!
+//! Layers (STYLE.md): [`schedule`](self) decides who computes which query tile (this file),
+//! [`blocking`] decides the tile sizes, [`forward`] is the per-tile loop of Algorithm 1, and
+//! [`kernels`] / [`softmax`] are the inner loops it calls.
+
+pub(crate) mod blocking;
+mod forward;
+pub(crate) mod kernels;
+mod softmax;
+
+use rayon::prelude::*;
+
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::spec::{Causal, Geometry, RowLayout};
+use crate::tensor::{Tensor, TensorMut};
+
+/// Largest head dimension the CPU backend accepts.
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// A shared write target for the output: every work item writes a disjoint set of elements.
+pub(crate) struct Sink<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: `Sink` is only used to write disjoint elements from different threads (each query tile
+// of each (sequence, head) owns its output rows and lse entries; `Geometry::check_out` rejected
+// overlapping output strides), and the buffer outlives the parallel loop that uses it.
+unsafe impl<T: Send> Sync for Sink<T> {}
+// SAFETY: as above; the pointer is only dereferenced inside the scope that borrows the buffer.
+unsafe impl<T: Send> Send for Sink<T> {}
+
+impl<T> Sink<T> {
+    fn new(buf: &mut [T]) -> Self {
+        Self { ptr: buf.as_mut_ptr(), len: buf.len() }
+    }
+
+    /// Writes `value` at `idx`.
+    ///
+    /// # Safety
+    /// `idx < len`, and no other thread reads or writes `idx` during the parallel loop.
+    #[inline]
+    pub unsafe fn write(&self, idx: usize, value: T) {
+        debug_assert!(idx < self.len);
+        // SAFETY: in bounds and unaliased by the caller's contract.
+        unsafe { self.ptr.add(idx).write(value) }
+    }
+}
+
+/// One unit of work: query tile `tile` of head `head` of sequence `seq`.
+#[derive(Debug, Clone, Copy)]
+struct WorkItem {
+    seq: usize,
+    head: usize,
+    tile: usize,
+}
+
+pub use blocking::Tiles;
+
+/// Forward pass into caller-provided `out` and `lse` (see [`crate::forward_into`]), with tile
+/// sizes from [`blocking`].
+pub fn forward_into<T: Element>(
+    g: &Geometry<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &mut TensorMut<'_, T>,
+    lse: &mut [f32],
+) -> Result<()> {
+    let pairs = g.seqs.len() * g.hq;
+    let tiles = blocking::tiles(g.d, g.dv, g.max_sq, pairs, rayon::current_num_threads());
+    forward_into_tiled(g, q, k, v, out, lse, tiles)
+}
+
+/// [`forward_into`] with explicit tile sizes: for tests (results must not depend on the tiling
+/// beyond rounding) and tuning. Zero sizes are an error.
+pub fn forward_into_tiled<T: Element>(
+    g: &Geometry<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &mut TensorMut<'_, T>,
+    lse: &mut [f32],
+    tiles: Tiles,
+) -> Result<()> {
+    for (tensor, dim) in [("q", g.d), ("v", g.dv)] {
+        if dim > MAX_HEAD_DIM {
+            return Err(Error::HeadDim { tensor, dim, backend: "cpu", min: 1, max: MAX_HEAD_DIM });
+        }
+    }
+    if tiles.br == 0 || tiles.bc == 0 {
+        return Err(Error::Unsupported(format!("tile sizes must be positive, got {tiles:?}")));
+    }
+    let out_layout: RowLayout = g.check_out(out, lse)?;
+
+    let mut items: Vec<WorkItem> = Vec::new();
+    for (s, seq) in g.seqs.iter().enumerate() {
+        for head in 0..g.hq {
+            for tile in 0..seq.sq.div_ceil(tiles.br) {
+                items.push(WorkItem { seq: s, head, tile });
+            }
+        }
+    }
+    // Causal: later query tiles see more keys; start them first so the tail is short tiles.
+    if g.causal != Causal::None {
+        items.sort_by_key(|w| std::cmp::Reverse(w.tile));
+    }
+
+    let out_sink = Sink::new(out.data_mut());
+    let lse_sink = Sink::new(lse);
+    let ctx = forward::Context { g, q: q.data(), k: k.data(), v: v.data(), out: &out_sink, out_layout, lse: &lse_sink, tiles };
+    items.par_iter().for_each_init(
+        || forward::Scratch::new(g, tiles),
+        |scratch, w| ctx.query_tile(scratch, w.seq, w.head, w.tile),
+    );
+    Ok(())
+}

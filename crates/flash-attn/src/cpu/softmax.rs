@@ -1,0 +1,104 @@
+//! The online-softmax state of one query tile (Algorithm 1, lines 9-13; FA2's deferred
+//! normalisation).
+//!
+//! Scores arrive in base-2 units (`log2 e` folded into the scale), so the exponentials are `exp2`.
+//! For each row the state keeps the running maximum `m` and the running sum `l` of
+//! `2^(s - m)`; the unnormalised output accumulator is rescaled only when `m` grows, and divided
+//! by `l` once, at the end.
+
+use std::f32::consts::LN_2;
+
+/// Running row maxima and sums of one query tile.
+#[derive(Debug, Default)]
+pub struct OnlineSoftmax {
+    row_max: Vec<f32>,
+    row_sum: Vec<f32>,
+}
+
+impl OnlineSoftmax {
+    /// Resets the state for `rows` rows: `m = -inf`, `l = 0`.
+    pub fn reset(&mut self, rows: usize) {
+        self.row_max.clear();
+        self.row_max.resize(rows, f32::NEG_INFINITY);
+        self.row_sum.clear();
+        self.row_sum.resize(rows, 0.0);
+    }
+
+    /// Folds one score tile into the state: turns `s` (rows of stride `ld_s`, `cols` valid) into
+    /// probabilities `2^(s - m_new)` in place and rescales the output rows `o` (stride `dv`) by
+    /// `2^(m_old - m_new)` where the maximum grew.
+    pub fn update(&mut self, s: &mut [f32], ld_s: usize, cols: usize, o: &mut [f32], dv: usize) {
+        for (r, (m, l)) in self.row_max.iter_mut().zip(&mut self.row_sum).enumerate() {
+            let row = &mut s[r * ld_s..r * ld_s + cols];
+            let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let m_new = m.max(tile_max);
+            if m_new == f32::NEG_INFINITY {
+                // Nothing visible yet in this row: every probability is 0.
+                row.fill(0.0);
+                continue;
+            }
+            if m_new > *m {
+                // Algorithm 1, line 12: rescale what was accumulated under the old maximum.
+                let alpha = (*m - m_new).exp2();
+                *l *= alpha;
+                super::kernels::scale(&mut o[r * dv..(r + 1) * dv], alpha);
+                *m = m_new;
+            }
+            let mut sum = 0.0f32;
+            for p in row.iter_mut() {
+                *p = (*p - m_new).exp2();
+                sum += *p;
+            }
+            *l += sum;
+        }
+    }
+
+    /// Final normalisation of row `r`: returns `(1 / l, lse)` with `lse` in natural log, or
+    /// `None` for a row that saw no key (its output is 0 and its `lse` is `-inf`).
+    pub fn finish(&self, r: usize) -> Option<(f32, f32)> {
+        let (m, l) = (self.row_max[r], self.row_sum[r]);
+        if m == f32::NEG_INFINITY || l == 0.0 {
+            return None;
+        }
+        Some((1.0 / l, (m + l.log2()) * LN_2))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_tiles_give_the_softmax_of_their_union() {
+        let scores = [0.5f32, -1.0, 3.0, 2.0, -0.25, 1.5];
+        let values = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let mut st = OnlineSoftmax::default();
+        st.reset(1);
+        let mut o = [0.0f32];
+        for tile in [0..2, 2..6] {
+            let mut s: Vec<f32> = scores[tile.clone()].to_vec();
+            let n = s.len();
+            st.update(&mut s, n, n, &mut o, 1);
+            for (p, vi) in s.iter().zip(&values[tile]) {
+                o[0] += p * vi;
+            }
+        }
+        let (inv, lse) = st.finish(0).unwrap();
+        let z: f64 = scores.iter().map(|&s| (s as f64 * std::f64::consts::LN_2).exp()).sum();
+        let want: f64 =
+            scores.iter().zip(&values).map(|(&s, &v)| (s as f64 * std::f64::consts::LN_2).exp() * v as f64).sum::<f64>() / z;
+        assert!(((o[0] * inv) as f64 - want).abs() < 1e-5);
+        assert!((lse as f64 - z.ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn row_without_visible_keys_has_no_lse() {
+        let mut st = OnlineSoftmax::default();
+        st.reset(1);
+        let mut s = [f32::NEG_INFINITY; 3];
+        let mut o = [0.0f32; 2];
+        st.update(&mut s, 3, 3, &mut o, 2);
+        assert_eq!(s, [0.0; 3]);
+        assert!(st.finish(0).is_none());
+    }
+}

@@ -1,0 +1,139 @@
+//! Element types the kernels accept: `f32`, `f16` and `bf16`.
+//!
+//! Every backend computes in `f32` (scores, softmax statistics and the output accumulator) and
+//! converts at the edges: inputs are widened when a tile is loaded, outputs rounded once when
+//! the final normalisation is written.
+
+use half::{bf16, f16};
+
+/// The data types attention runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl DType {
+    /// Lower-case name as used on the command line (`f32`, `f16`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// The additive tolerance `eps_T` of the numerics contract (DESIGN §2), relative to the
+    /// magnitude of the reference: `max|ours - oracle| <= 2 * max|naive_T - oracle| + eps_T *
+    /// max(1, max|oracle|)`. About four units in the last place of the type near 1.
+    pub fn contract_eps(self) -> f64 {
+        match self {
+            DType::F32 => 4.0 * f32::EPSILON as f64,
+            DType::F16 => 4.0 * f16::EPSILON.to_f64(),
+            DType::BF16 => 4.0 * bf16::EPSILON.to_f64(),
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" | "fp32" | "float32" => Ok(DType::F32),
+            "f16" | "fp16" | "float16" => Ok(DType::F16),
+            "bf16" | "bfloat16" => Ok(DType::BF16),
+            other => Err(format!("unknown dtype `{other}` (expected f32, f16 or bf16)")),
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type of `q`, `k`, `v` and `out`: one of `f32`, [`f16`], [`bf16`].
+///
+/// Sealed: the kernels are written for exactly these three.
+pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + sealed::Sealed + 'static {
+    /// The runtime tag of this type.
+    const DTYPE: DType;
+    /// Widen to `f32` (exact).
+    fn to_f32(self) -> f32;
+    /// Round from `f32` to nearest even.
+    fn from_f32(x: f32) -> Self;
+    /// Round from `f64` to nearest (through `f32` for the half types).
+    fn from_f64(x: f64) -> Self;
+    /// Widen to `f64` (exact).
+    fn to_f64(self) -> f64 {
+        self.to_f32() as f64
+    }
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn from_f64(x: f64) -> Self {
+        f16::from_f64(x)
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline(always)]
+    fn from_f64(x: f64) -> Self {
+        bf16::from_f64(x)
+    }
+}

@@ -1,0 +1,150 @@
+//! The one error type of the library.
+//!
+//! Every public function returns `Result<_, Error>`. Each variant names the tensor or option at
+//! fault and says what was expected, so that the message alone tells a user what to change.
+
+/// Everything that can go wrong when describing or running attention.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor has the wrong number of dimensions for the chosen layout.
+    #[error("`{tensor}` must have {expected} dimensions ({layout}), got {got} (shape {shape:?})")]
+    Rank {
+        /// Name of the tensor (`q`, `k`, `v`, `out`, ...).
+        tensor: &'static str,
+        /// Number of dimensions the layout needs.
+        expected: usize,
+        /// Number of dimensions given.
+        got: usize,
+        /// The expected layout, e.g. `[b, sq, hq, d]`.
+        layout: &'static str,
+        /// The shape given.
+        shape: Vec<usize>,
+    },
+
+    /// Two tensors disagree on a dimension they must share, or a tensor has a size it can't have.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+
+    /// The number of query heads is not a multiple of the number of key/value heads.
+    #[error("query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA/MQA")]
+    HeadRatio {
+        /// Query heads.
+        hq: usize,
+        /// Key/value heads.
+        hk: usize,
+    },
+
+    /// A head dimension outside what the backend supports.
+    #[error("`{tensor}` head dimension {dim} is not supported by the {backend} backend (supported: {min}..={max})")]
+    HeadDim {
+        /// Which tensor carries the dimension (`q`/`k` for `d`, `v` for `dv`).
+        tensor: &'static str,
+        /// The head dimension given.
+        dim: usize,
+        /// Backend name.
+        backend: &'static str,
+        /// Smallest supported head dimension.
+        min: usize,
+        /// Largest supported head dimension.
+        max: usize,
+    },
+
+    /// The last dimension of a tensor is not contiguous.
+    #[error("`{tensor}` must have unit stride in its last dimension, got stride {stride}")]
+    InnerStride {
+        /// Tensor name.
+        tensor: &'static str,
+        /// The stride given for the last dimension.
+        stride: usize,
+    },
+
+    /// A view's shape and strides reach past the end of its buffer.
+    #[error("`{tensor}` with shape {shape:?} and strides {strides:?} reaches element {needed}, but its buffer holds only {len} elements")]
+    OutOfBounds {
+        /// Tensor name.
+        tensor: &'static str,
+        /// Shape of the view.
+        shape: Vec<usize>,
+        /// Strides of the view, in elements.
+        strides: Vec<usize>,
+        /// Number of elements the view needs (largest offset + 1).
+        needed: usize,
+        /// Length of the buffer.
+        len: usize,
+    },
+
+    /// The number of strides differs from the number of dimensions.
+    #[error("`{tensor}` has {dims} dimensions but {strides} strides")]
+    StrideCount {
+        /// Tensor name.
+        tensor: &'static str,
+        /// Number of dimensions.
+        dims: usize,
+        /// Number of strides.
+        strides: usize,
+    },
+
+    /// An output view whose strides make two elements share one memory location.
+    #[error("`{tensor}` strides {strides:?} for shape {shape:?} make elements overlap; outputs need distinct memory per element")]
+    Overlap {
+        /// Tensor name.
+        tensor: &'static str,
+        /// Shape of the view.
+        shape: Vec<usize>,
+        /// Strides of the view.
+        strides: Vec<usize>,
+    },
+
+    /// An output buffer whose length does not match what the problem produces.
+    #[error("`{tensor}` buffer has {got} elements, expected {expected}")]
+    BufferLength {
+        /// Tensor name.
+        tensor: &'static str,
+        /// Number of elements needed.
+        expected: usize,
+        /// Number of elements given.
+        got: usize,
+    },
+
+    /// Invalid `cu_seqlens_q` / `cu_seqlens_k`.
+    #[error("`{which}` is invalid: {reason}")]
+    CuSeqlens {
+        /// `cu_seqlens_q` or `cu_seqlens_k`.
+        which: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A window side below -1.
+    #[error("window ({left}, {right}) is invalid: each side must be >= 0, or -1 for unbounded")]
+    Window {
+        /// Left extent.
+        left: i64,
+        /// Right extent.
+        right: i64,
+    },
+
+    /// A softmax scale that is NaN or infinite.
+    #[error("softmax scale must be finite, got {0}")]
+    Scale(f32),
+
+    /// A softcap that is not a positive finite number.
+    #[error("softcap must be a positive finite number, got {0}")]
+    Softcap(f32),
+
+    /// A block-sparse mask of the wrong shape or with a zero block size.
+    #[error("block mask is invalid: {0}")]
+    BlockMask(String),
+
+    /// ALiBi slopes of the wrong shape or with non-finite values.
+    #[error("ALiBi slopes are invalid: {0}")]
+    Alibi(String),
+
+    /// A feature that this backend or build does not provide.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
