@@ -12,11 +12,11 @@ use std::fmt;
 
 use half::{bf16, f16};
 
+use crate::cpu::{self, Tiles};
 use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::reference::{self, Reference};
 use crate::spec::{AttentionSpec, Causal};
-use crate::cpu::{self, Tiles};
 use crate::tensor::{Tensor, TensorMut};
 
 /// A small, fast, seedable generator (xoshiro256++ seeded through SplitMix64), so that every
@@ -169,7 +169,14 @@ impl fmt::Display for Case {
             write!(f, " alibi{}", if pb { "[b,hq]" } else { "[hq]" })?;
         }
         if let Some(b) = self.block {
-            write!(f, " block=({},{}){}@{}%", b.block_q, b.block_k, if b.per_head { "[b,hq]" } else { "" }, b.density_pct)?;
+            write!(
+                f,
+                " block=({},{}){}@{}%",
+                b.block_q,
+                b.block_k,
+                if b.per_head { "[b,hq]" } else { "" },
+                b.density_pct
+            )?;
         }
         if let Storage::Strided { pad } = self.storage {
             write!(f, " strided(pad={pad})")?;

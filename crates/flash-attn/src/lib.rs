@@ -60,6 +60,11 @@ pub use error::{Error, Result};
 pub use spec::{AttentionSpec, BlockMask, Causal, Geometry, Sequence};
 pub use tensor::{Tensor, TensorMut};
 
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 /// The result of a forward pass.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Output<T> {

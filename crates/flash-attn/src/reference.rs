@@ -24,7 +24,14 @@ pub struct Reference {
 }
 
 /// The arithmetic Algorithm 0 runs in.
-trait Real: Copy + PartialOrd + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + std::ops::Sub<Output = Self> + std::ops::Div<Output = Self> {
+trait Real:
+    Copy
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Div<Output = Self>
+{
     const ZERO: Self;
     const NEG_INF: Self;
     fn from_f32(x: f32) -> Self;
@@ -90,7 +97,8 @@ pub fn naive<T: Element>(
 /// intermediate in the input dtype (identity for the `f64` oracle).
 fn algorithm0<R: Real, T: Element>(g: &Geometry<'_>, q: &[T], k: &[T], v: &[T], round: impl Fn(R) -> R) -> Reference {
     let mut out = vec![0.0f64; g.total_q * g.hq * g.dv];
-    let mut lse = vec![0.0f64; g.lse_len()];
+    // Rows that meet no key (fully masked, or varlen tokens after the last sequence) keep these.
+    let mut lse = vec![f64::NEG_INFINITY; g.lse_len()];
     let scale = R::from_f32(g.scale);
     let cap = g.softcap.map(R::from_f32);
     for seq in &g.seqs {
@@ -128,7 +136,6 @@ fn algorithm0<R: Real, T: Element>(g: &Geometry<'_>, q: &[T], k: &[T], v: &[T], 
                 let li = g.lse_index(seq, h, i);
                 let oi = (g.q_token(seq, i) * g.hq + h) * g.dv;
                 if m == R::NEG_INF {
-                    lse[li] = f64::NEG_INFINITY;
                     continue; // no visible key: out = 0, lse = -inf
                 }
                 let mut sum = R::ZERO;
@@ -163,7 +170,8 @@ mod tests {
         let q = [0.5f32, -1.0];
         let k = [2.0f32, 1.0];
         let v = [3.0f32, -4.0, 5.0];
-        let (qt, kt, vt) = (Tensor::new(&q, &[1, 1, 1, 2]), Tensor::new(&k, &[1, 1, 1, 2]), Tensor::new(&v, &[1, 1, 1, 3]));
+        let (qt, kt, vt) =
+            (Tensor::new(&q, &[1, 1, 1, 2]), Tensor::new(&k, &[1, 1, 1, 2]), Tensor::new(&v, &[1, 1, 1, 3]));
         let r = forward(&AttentionSpec::new().scale(0.25), &qt, &kt, &vt).unwrap();
         assert_eq!(r.out, vec![3.0, -4.0, 5.0]);
         assert_eq!(r.lse, vec![0.0]); // 0.25 · (1 - 1) = 0
@@ -174,7 +182,8 @@ mod tests {
         let q = [1.0f32];
         let k = [2.0f32, 2.0];
         let v = [1.0f32, 3.0];
-        let (qt, kt, vt) = (Tensor::new(&q, &[1, 1, 1, 1]), Tensor::new(&k, &[1, 2, 1, 1]), Tensor::new(&v, &[1, 2, 1, 1]));
+        let (qt, kt, vt) =
+            (Tensor::new(&q, &[1, 1, 1, 1]), Tensor::new(&k, &[1, 2, 1, 1]), Tensor::new(&v, &[1, 2, 1, 1]));
         let r = forward(&AttentionSpec::new(), &qt, &kt, &vt).unwrap();
         assert!((r.out[0] - 2.0).abs() < 1e-15);
         assert!((r.lse[0] - (2.0 + 2f64.ln())).abs() < 1e-15);

@@ -315,12 +315,21 @@ impl<'a> Geometry<'a> {
         if let Some((cu_q, cu_k)) = spec.varlen {
             let batch = cu_q.len().saturating_sub(1);
             if cu_q.is_empty() {
-                return Err(Error::CuSeqlens { which: "cu_seqlens_q", reason: "is empty; it needs batch + 1 >= 1 entries".into() });
+                return Err(Error::CuSeqlens {
+                    which: "cu_seqlens_q",
+                    reason: "is empty; it needs batch + 1 >= 1 entries".into(),
+                });
             }
             let cq = check_cu_seqlens("cu_seqlens_q", cu_q, batch, qs[0])?;
             let ck = check_cu_seqlens("cu_seqlens_k", cu_k, batch, ks[0])?;
             seqs = (0..batch)
-                .map(|b| Sequence { batch: b, q_start: cq[b], sq: cq[b + 1] - cq[b], k_start: ck[b], sk: ck[b + 1] - ck[b] })
+                .map(|b| Sequence {
+                    batch: b,
+                    q_start: cq[b],
+                    sq: cq[b + 1] - cq[b],
+                    k_start: ck[b],
+                    sk: ck[b + 1] - ck[b],
+                })
                 .collect();
             total_q = qs[0];
         } else {
@@ -471,19 +480,28 @@ fn check_alibi<'a>(t: &Tensor<'a, f32>, batch: usize, hq: usize) -> Result<Alibi
         1 => {
             t.check("alibi_slopes", "[hq]", 1)?;
             if t.shape()[0] != hq {
-                return Err(Error::Alibi(format!("shape {:?} must be [hq] = [{hq}] or [b, hq] = [{batch}, {hq}]", t.shape())));
+                return Err(Error::Alibi(format!(
+                    "shape {:?} must be [hq] = [{hq}] or [b, hq] = [{batch}, {hq}]",
+                    t.shape()
+                )));
             }
             (0, t.strides()[0])
         }
         2 => {
             t.check("alibi_slopes", "[b, hq]", 2)?;
             if t.shape() != [batch, hq] {
-                return Err(Error::Alibi(format!("shape {:?} must be [hq] = [{hq}] or [b, hq] = [{batch}, {hq}]", t.shape())));
+                return Err(Error::Alibi(format!(
+                    "shape {:?} must be [hq] = [{hq}] or [b, hq] = [{batch}, {hq}]",
+                    t.shape()
+                )));
             }
             (t.strides()[0], t.strides()[1])
         }
         _ => {
-            return Err(Error::Alibi(format!("shape {:?} must be [hq] = [{hq}] or [b, hq] = [{batch}, {hq}]", t.shape())));
+            return Err(Error::Alibi(format!(
+                "shape {:?} must be [hq] = [{hq}] or [b, hq] = [{batch}, {hq}]",
+                t.shape()
+            )));
         }
     };
     Ok(AlibiRef { data: t.data(), strides })

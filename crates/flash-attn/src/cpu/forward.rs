@@ -172,7 +172,13 @@ fn apply_score_mods(
 }
 
 /// Sets invisible scores of a Partial tile to `-inf`.
-fn apply_mask(s: &mut [f32], ld: usize, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>, vis: &Visibility<'_>) {
+fn apply_mask(
+    s: &mut [f32],
+    ld: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    vis: &Visibility<'_>,
+) {
     for (r, i) in rows.enumerate() {
         let span = vis.span(i);
         let row = &mut s[r * ld..r * ld + cols.len()];

@@ -109,12 +109,38 @@ pub fn forward_into_tiled<T: Element>(
         items.sort_by_key(|w| std::cmp::Reverse(w.tile));
     }
 
+    fill_uncovered_rows(g, out, out_layout, lse);
     let out_sink = Sink::new(out.data_mut());
     let lse_sink = Sink::new(lse);
-    let ctx = forward::Context { g, q: q.data(), k: k.data(), v: v.data(), out: &out_sink, out_layout, lse: &lse_sink, tiles };
-    items.par_iter().for_each_init(
-        || forward::Scratch::new(g, tiles),
-        |scratch, w| ctx.query_tile(scratch, w.seq, w.head, w.tile),
-    );
+    let ctx = forward::Context {
+        g,
+        q: q.data(),
+        k: k.data(),
+        v: v.data(),
+        out: &out_sink,
+        out_layout,
+        lse: &lse_sink,
+        tiles,
+    };
+    items
+        .par_iter()
+        .for_each_init(|| forward::Scratch::new(g, tiles), |scratch, w| ctx.query_tile(scratch, w.seq, w.head, w.tile));
     Ok(())
+}
+
+/// Varlen tokens after the last sequence belong to no sequence: they see no key, so `out = 0`
+/// and `lse = -inf`, as for any fully masked row.
+fn fill_uncovered_rows<T: Element>(g: &Geometry<'_>, out: &mut TensorMut<'_, T>, layout: RowLayout, lse: &mut [f32]) {
+    let covered = g.seqs.last().map_or(0, |s| s.q_start + s.sq);
+    if !g.varlen || covered >= g.total_q {
+        return;
+    }
+    let data = out.data_mut();
+    for t in covered..g.total_q {
+        for h in 0..g.hq {
+            let row = t * layout.token_stride + h * layout.head_stride;
+            data[row..row + g.dv].fill(T::default());
+            lse[h * g.total_q + t] = f32::NEG_INFINITY;
+        }
+    }
 }

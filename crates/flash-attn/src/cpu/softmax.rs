@@ -85,8 +85,12 @@ mod tests {
         }
         let (inv, lse) = st.finish(0).unwrap();
         let z: f64 = scores.iter().map(|&s| (s as f64 * std::f64::consts::LN_2).exp()).sum();
-        let want: f64 =
-            scores.iter().zip(&values).map(|(&s, &v)| (s as f64 * std::f64::consts::LN_2).exp() * v as f64).sum::<f64>() / z;
+        let want: f64 = scores
+            .iter()
+            .zip(&values)
+            .map(|(&s, &v)| (s as f64 * std::f64::consts::LN_2).exp() * v as f64)
+            .sum::<f64>()
+            / z;
         assert!(((o[0] * inv) as f64 - want).abs() < 1e-5);
         assert!((lse as f64 - z.ln()).abs() < 1e-5);
     }
