@@ -1,1 +1,150 @@
-fn main() {}
+//! `flash-attn`: run, check and benchmark FlashAttention from the command line.
+//!
+//! A thin layer over the `flash_attn` library (DESIGN §5): this binary parses arguments, moves
+//! tensors in and out of safetensors files, times calls and prints tables. Every piece of
+//! attention logic lives in the library.
+//!
+//! Errors follow the CLI contract: one line `error: ...` on stderr and exit code 2; outputs are
+//! written only on success.
+
+mod alloc;
+mod bench;
+mod check;
+mod progress;
+mod run;
+mod safetensors_io;
+
+use std::fmt;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Counts heap bytes so that `bench` can report peak extra memory (see [`alloc`]).
+#[global_allocator]
+static ALLOCATOR: alloc::CountingAlloc = alloc::CountingAlloc;
+
+/// FlashAttention in Rust: exact tiled attention with an online softmax.
+#[derive(Debug, Parser)]
+#[command(name = "flash-attn", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run attention on the tensors of a safetensors file and write `out` and `lse`.
+    Run(run::RunArgs),
+    /// Compare the backend with the f64 oracle on random cases (the numerics contract).
+    Check(check::CheckArgs),
+    /// Time the forward pass: one shape, the default grid, or the memory table.
+    Bench(bench::BenchArgs),
+}
+
+/// Where attention runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// The multithreaded CPU backend (always built).
+    Cpu,
+    /// The CUDA backend (cargo feature `cuda`).
+    Cuda,
+}
+
+impl Device {
+    /// The name used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+
+    /// Succeeds for the backends this build provides.
+    pub fn ensure_available(self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda => Err(CliError::new("the cuda backend is not available in this build (feature `cuda`)")),
+        }
+    }
+}
+
+/// A failure reported to the user as one line on stderr, with exit code 2.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CliError(String);
+
+impl CliError {
+    /// An error with the given message (without the `error: ` prefix).
+    pub fn new(msg: impl Into<String>) -> Self {
+        Self(msg.into())
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for CliError {}
+
+impl From<flash_attn::Error> for CliError {
+    fn from(e: flash_attn::Error) -> Self {
+        Self(e.to_string())
+    }
+}
+
+/// Result of a subcommand.
+pub type Result<T, E = CliError> = std::result::Result<T, E>;
+
+/// Exit code for bad input or a failed command (DESIGN §5).
+const EXIT_ERROR: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
+    let result = match cli.command {
+        Command::Run(args) => run::main(&args),
+        Command::Check(args) => check::main(&args),
+        Command::Bench(args) => bench::main(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e.0));
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+/// `--help` and `--version` print as usual; an argument error becomes the one-line contract
+/// error: the first paragraph of clap's message (which names the argument at fault), joined.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            ExitCode::SUCCESS
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            ExitCode::from(EXIT_ERROR)
+        }
+        _ => {
+            let text = e.render().to_string();
+            let paragraph: Vec<&str> =
+                text.lines().skip_while(|l| l.trim().is_empty()).take_while(|l| !l.trim().is_empty()).collect();
+            let msg = one_line(&paragraph.join(" "));
+            let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
+            eprintln!("error: {msg} (see `flash-attn --help`)");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+/// Collapses a message to one line so the contract holds whatever a dependency prints.
+fn one_line(msg: &str) -> String {
+    msg.split_whitespace().collect::<Vec<_>>().join(" ")
+}

@@ -1,0 +1,474 @@
+//! `flash-attn bench`: time, FLOP/s and peak extra memory of the forward pass (BENCH.md).
+//!
+//! Inputs are made and outputs allocated before timing; each time is the median of at least
+//! [`MIN_RUNS`] timed calls of `flash_attn::forward_into` after a warm-up call, with more runs for
+//! short shapes (until about [`TIME_BUDGET`] of timing). Peak extra memory is measured on the
+//! warm-up call with the counting allocator of [`crate::alloc`].
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use flash_attn::check::Rng;
+use flash_attn::{AttentionSpec, DType, Element, Tensor, TensorMut};
+use half::{bf16, f16};
+
+use crate::progress::Progress;
+use crate::run::zeroed;
+use crate::{alloc, CliError, Device, Result};
+
+/// Fewest timed runs behind a median.
+const MIN_RUNS: usize = 5;
+/// Keep timing short shapes until this much time has been spent (or [`MAX_RUNS`] reached).
+const TIME_BUDGET: Duration = Duration::from_millis(500);
+/// Most timed runs per shape.
+const MAX_RUNS: usize = 1000;
+/// Fewest timed runs behind a median in the memory table, whose long sequences take seconds per
+/// call.
+const MEMORY_MIN_RUNS: usize = 3;
+/// Head dimension of the memory table.
+const MEMORY_D: usize = 64;
+/// Sequence lengths of the memory table.
+const MEMORY_SEQLENS: [usize; 7] = [1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15, 1 << 16];
+
+/// Arguments of `flash-attn bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Backend to time.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+
+    /// Element type of q, k, v and out.
+    #[arg(long, value_name = "f32|f16|bf16", default_value = "f32")]
+    dtype: DType,
+
+    /// One problem `batch, query heads, kv heads, query length, key length, head dim`; without
+    /// it, the default grid.
+    #[arg(long, value_name = "B,HQ,HK,SQ,SK,D", value_parser = parse_shape)]
+    shape: Option<Shape>,
+
+    /// Causal (bottom-right) mask for `--shape`; the grid runs both.
+    #[arg(long, requires = "shape")]
+    causal: bool,
+
+    /// Time one forward plus one backward (not implemented yet).
+    #[arg(long)]
+    backward: bool,
+
+    /// Print one JSON line per problem instead of a table.
+    #[arg(long)]
+    json: bool,
+
+    /// The memory table: our forward next to Algorithm 0, d = 64, one head, f32, N = 1k..64k.
+    #[arg(long, conflicts_with_all = ["shape", "json", "dtype", "causal"])]
+    memory: bool,
+
+    /// Longest sequence Algorithm 0 runs on in the memory table (it needs N² floats).
+    #[arg(long, value_name = "N", default_value_t = 8192, requires = "memory")]
+    naive_max: usize,
+}
+
+/// The sizes of one benchmark problem (`v` has head dim `d` too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    b: usize,
+    hq: usize,
+    hk: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+}
+
+/// Parses `B,HQ,HK,SQ,SK,D`.
+fn parse_shape(s: &str) -> std::result::Result<Shape, String> {
+    let dims = s
+        .split(',')
+        .map(|x| x.trim().parse::<usize>().map_err(|e| format!("`{}`: {e}", x.trim())))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    match dims[..] {
+        [b, hq, hk, sq, sk, d] => Ok(Shape { b, hq, hk, sq, sk, d }),
+        _ => Err(format!("expected six sizes B,HQ,HK,SQ,SK,D, got {}", dims.len())),
+    }
+}
+
+/// A shape and whether it is causal.
+#[derive(Debug, Clone, Copy)]
+struct Problem {
+    shape: Shape,
+    causal: bool,
+}
+
+impl Problem {
+    /// `b×hq×s×d`, with `hq/hk` and `sq/sk` where they differ.
+    fn label(&self) -> String {
+        let s = self.shape;
+        let heads = if s.hq == s.hk { s.hq.to_string() } else { format!("{}/{}", s.hq, s.hk) };
+        let len = if s.sq == s.sk { s.sq.to_string() } else { format!("{}/{}", s.sq, s.sk) };
+        format!("{}×{heads}×{len}×{}", s.b, s.d)
+    }
+}
+
+/// The BENCH.md `cpu` grid: b 1, 8 heads, s ∈ {128 … 4k}, d ∈ {64, 128}, plus b 4 × 12 heads ×
+/// 512 × 64; each non-causal and causal.
+fn default_grid() -> Vec<Problem> {
+    let mut grid = Vec::new();
+    for d in [64, 128] {
+        for s in [128, 512, 1024, 2048, 4096] {
+            for causal in [false, true] {
+                grid.push(Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: s, sk: s, d }, causal });
+            }
+        }
+    }
+    for causal in [false, true] {
+        grid.push(Problem { shape: Shape { b: 4, hq: 12, hk: 12, sq: 512, sk: 512, d: 64 }, causal });
+    }
+    grid
+}
+
+/// What one problem measured.
+#[derive(Debug, Clone, Copy)]
+struct Measurement {
+    /// Median forward time.
+    fwd_ms: f64,
+    /// Timed runs behind the median.
+    runs: usize,
+    /// FLOP/s at the median, FlashAttention's count.
+    gflops: f64,
+    /// Peak heap bytes of one call beyond what was live before it.
+    peak_extra: usize,
+}
+
+/// Runs `flash-attn bench`.
+pub fn main(args: &BenchArgs) -> Result<ExitCode> {
+    args.device.ensure_available()?;
+    if args.backward {
+        return Err(CliError::new("forward+backward timing (`--backward`) is not implemented yet"));
+    }
+    warm_up()?;
+    if args.memory {
+        return memory_table(args.naive_max);
+    }
+
+    let problems = match args.shape {
+        Some(shape) => vec![Problem { shape, causal: args.causal }],
+        None => default_grid(),
+    };
+    let progress = Progress::bar(problems.len() as u64, "bench");
+    let mut rows = Vec::new();
+    for p in &problems {
+        progress.set_message(p.label());
+        let m = measure(args.dtype, p, &progress, MIN_RUNS)?;
+        if args.json {
+            progress.suspend(|| println!("{}", json_line(args.device, args.dtype, p, &m)));
+        }
+        rows.push(vec![
+            p.label(),
+            if p.causal { "yes" } else { "no" }.to_owned(),
+            fmt_ms(m.fwd_ms),
+            format!("{:.1}", m.gflops),
+            fmt_bytes(m.peak_extra),
+        ]);
+        progress.inc();
+    }
+    drop(progress);
+    if !args.json {
+        println!(
+            "forward, {} {}, {} threads available; time = median of >= {MIN_RUNS} runs after a warm-up",
+            args.device.name(),
+            args.dtype,
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        );
+        print_table(&["b×hq×s×d", "causal", "time ms", "GFLOP/s", "peak extra"], &rows);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One tiny forward so the library's thread pool exists before anything is measured.
+fn warm_up() -> Result<()> {
+    let x = [0.5f32; 16];
+    let t = Tensor::new(&x, &[1, 2, 1, 8]);
+    flash_attn::forward(&AttentionSpec::new(), &t, &t, &t)?;
+    Ok(())
+}
+
+fn measure(dtype: DType, p: &Problem, progress: &Progress, min_runs: usize) -> Result<Measurement> {
+    match dtype {
+        DType::F32 => measure_typed::<f32>(p, progress, min_runs),
+        DType::F16 => measure_typed::<f16>(p, progress, min_runs),
+        DType::BF16 => measure_typed::<bf16>(p, progress, min_runs),
+    }
+}
+
+/// Standard normal values for a tensor of `shape`.
+fn random<T: Element>(name: &str, shape: &[usize], rng: &mut Rng) -> Result<Vec<T>> {
+    let mut buf = zeroed::<T>(name, shape)?;
+    buf.iter_mut().for_each(|x| *x = T::from_f64(rng.normal()));
+    Ok(buf)
+}
+
+/// Random q, k, v of `s`.
+fn inputs<T: Element>(s: Shape) -> Result<[Vec<T>; 3]> {
+    let mut rng = Rng::new(0);
+    Ok([
+        random("q", &[s.b, s.sq, s.hq, s.d], &mut rng)?,
+        random("k", &[s.b, s.sk, s.hk, s.d], &mut rng)?,
+        random("v", &[s.b, s.sk, s.hk, s.d], &mut rng)?,
+    ])
+}
+
+fn measure_typed<T: Element>(p: &Problem, progress: &Progress, min_runs: usize) -> Result<Measurement> {
+    let s = p.shape;
+    let [q, k, v] = inputs::<T>(s)?;
+    let q = Tensor::new(&q, &[s.b, s.sq, s.hq, s.d]);
+    let k = Tensor::new(&k, &[s.b, s.sk, s.hk, s.d]);
+    let v = Tensor::new(&v, &[s.b, s.sk, s.hk, s.d]);
+    let spec = if p.causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    let geometry = spec.geometry(&q, &k, &v)?;
+    let out_shape = geometry.out_shape();
+    let mut out = zeroed::<T>("out", &out_shape)?;
+    let mut lse = zeroed::<f32>("lse", &geometry.lse_shape())?;
+    let mut out = TensorMut::new(&mut out, &out_shape);
+    let mut call = || -> Result<f64> {
+        let start = Instant::now();
+        flash_attn::forward_into(&spec, &q, &k, &v, &mut out, &mut lse)?;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    };
+
+    // The warm-up call is the memory measurement, with progress redraws held back so that only
+    // the library's allocations count.
+    let (first, peak_extra) = progress.suspend(|| alloc::measure(&mut call));
+    first?;
+    let mut times = Vec::with_capacity(MAX_RUNS);
+    let start = Instant::now();
+    while times.len() < min_runs || (start.elapsed() < TIME_BUDGET && times.len() < MAX_RUNS) {
+        times.push(call()?);
+    }
+    let fwd_ms = median(&mut times);
+    Ok(Measurement { fwd_ms, runs: times.len(), gflops: geometry.flops() / (fwd_ms * 1e6), peak_extra })
+}
+
+/// Algorithm 0 (`flash_attn::reference::naive`, f32): time of one call and its peak extra bytes
+/// beyond its own result buffers.
+fn measure_naive(s: Shape, progress: &Progress) -> Result<(f64, usize)> {
+    let [q, k, v] = inputs::<f32>(s)?;
+    let q = Tensor::new(&q, &[s.b, s.sq, s.hq, s.d]);
+    let k = Tensor::new(&k, &[s.b, s.sk, s.hk, s.d]);
+    let v = Tensor::new(&v, &[s.b, s.sk, s.hk, s.d]);
+    let spec = AttentionSpec::new();
+    let ((result, ms), extra) = progress.suspend(|| {
+        alloc::measure(|| {
+            let start = Instant::now();
+            let r = flash_attn::reference::naive(&spec, &q, &k, &v);
+            (r, start.elapsed().as_secs_f64() * 1e3)
+        })
+    });
+    let result = result?;
+    let result_bytes = (result.out.len() + result.lse.len()) * std::mem::size_of::<f64>();
+    Ok((ms, extra.saturating_sub(result_bytes)))
+}
+
+/// "Memory shown, not claimed": extra peak bytes and time of our forward and of Algorithm 0.
+fn memory_table(naive_max: usize) -> Result<ExitCode> {
+    let progress = Progress::bar(MEMORY_SEQLENS.len() as u64, "memory");
+    let mut rows = Vec::new();
+    for n in MEMORY_SEQLENS {
+        progress.set_message(format!("N = {n}"));
+        let shape = Shape { b: 1, hq: 1, hk: 1, sq: n, sk: n, d: MEMORY_D };
+        let ours = measure_typed::<f32>(&Problem { shape, causal: false }, &progress, MEMORY_MIN_RUNS)?;
+        let (naive_mem, naive_time) = if n <= naive_max {
+            let (ms, bytes) = measure_naive(shape, &progress)?;
+            (fmt_bytes(bytes), fmt_time(ms))
+        } else {
+            ("not run".to_owned(), "not run".to_owned())
+        };
+        rows.push(vec![
+            fmt_count(n),
+            fmt_bytes(ours.peak_extra),
+            fmt_time(ours.fwd_ms),
+            naive_mem,
+            naive_time,
+            fmt_bytes(n * n * std::mem::size_of::<f32>()),
+        ]);
+        progress.inc();
+    }
+    drop(progress);
+    println!(
+        "extra peak heap memory of one forward call, b = 1, one head, d = {MEMORY_D}, f32, sq = sk = N, \
+         {} threads available",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    print_table(
+        &["N", "flash-attn peak extra", "flash-attn time", "Algorithm 0 peak extra", "Algorithm 0 time", "N² f32"],
+        &rows,
+    );
+    println!();
+    println!(
+        "flash-attn: forward_into into preallocated out/lse, time = median of >= {MEMORY_MIN_RUNS} runs. \
+         Algorithm 0: flash_attn::reference::naive::<f32> (materialises S and P), one run, its f64 \
+         result buffers not counted; run up to N = {naive_max} (--naive-max)."
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Median of `xs` (sorted in place); NaN for an empty slice.
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => xs[n / 2],
+        _ => 0.5 * (xs[n / 2 - 1] + xs[n / 2]),
+    }
+}
+
+/// One JSON line of the BENCH.md contract.
+fn json_line(device: Device, dtype: DType, p: &Problem, m: &Measurement) -> String {
+    let s = p.shape;
+    format!(
+        "{{\"device\":\"{}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hk\":{},\"sq\":{},\"sk\":{},\"d\":{},\
+         \"causal\":{},\"fwd_ms\":{},\"gflops\":{},\"peak_extra_bytes\":{},\"runs\":{}}}",
+        device.name(),
+        dtype.name(),
+        s.b,
+        s.hq,
+        s.hk,
+        s.sq,
+        s.sk,
+        s.d,
+        p.causal,
+        json_number(m.fwd_ms),
+        json_number(m.gflops),
+        m.peak_extra,
+        m.runs
+    )
+}
+
+/// A JSON number, or `null` for NaN and infinities (which JSON lacks).
+fn json_number(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.6}")
+    } else {
+        "null".to_owned()
+    }
+}
+
+/// Milliseconds with about four significant digits.
+fn fmt_ms(ms: f64) -> String {
+    match ms {
+        x if x < 1.0 => format!("{x:.4}"),
+        x if x < 100.0 => format!("{x:.3}"),
+        x => format!("{x:.1}"),
+    }
+}
+
+/// A duration in ms or s.
+fn fmt_time(ms: f64) -> String {
+    if ms < 1000.0 {
+        format!("{} ms", fmt_ms(ms))
+    } else {
+        format!("{:.2} s", ms / 1e3)
+    }
+}
+
+/// `1024` as `1k`, `65536` as `64k`.
+fn fmt_count(n: usize) -> String {
+    if n >= 1024 && n % 1024 == 0 {
+        format!("{}k", n / 1024)
+    } else {
+        n.to_string()
+    }
+}
+
+/// Bytes in B, KiB, MiB or GiB.
+fn fmt_bytes(n: usize) -> String {
+    const K: f64 = 1024.0;
+    let x = n as f64;
+    if x < K {
+        format!("{n} B")
+    } else if x < K * K {
+        format!("{:.1} KiB", x / K)
+    } else if x < K * K * K {
+        format!("{:.1} MiB", x / (K * K))
+    } else {
+        format!("{:.2} GiB", x / (K * K * K))
+    }
+}
+
+/// A Markdown table, padded to line up in a terminal too; the first column left-aligned, the
+/// others right-aligned.
+fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    let width = |i: usize| {
+        rows.iter()
+            .filter_map(|r| r.get(i))
+            .map(|c| c.chars().count())
+            .chain([header[i].chars().count()])
+            .max()
+            .unwrap_or(0)
+    };
+    let widths: Vec<usize> = (0..header.len()).map(width).collect();
+    let line = |cells: Vec<String>| println!("| {} |", cells.join(" | "));
+    let pad = |i: usize, text: &str| {
+        let fill = " ".repeat(widths[i].saturating_sub(text.chars().count()));
+        if i == 0 {
+            format!("{text}{fill}")
+        } else {
+            format!("{fill}{text}")
+        }
+    };
+    line(header.iter().enumerate().map(|(i, h)| pad(i, h)).collect());
+    line(
+        widths
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| {
+                if i == 0 {
+                    format!(":{}", "-".repeat(w.saturating_sub(1)))
+                } else {
+                    format!("{}:", "-".repeat(w.saturating_sub(1)))
+                }
+            })
+            .collect(),
+    );
+    for row in rows {
+        line(row.iter().enumerate().map(|(i, c)| pad(i, c)).collect());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_parses_six_sizes_and_rejects_others() {
+        assert_eq!(parse_shape("1, 8,2,128,256,64"), Ok(Shape { b: 1, hq: 8, hk: 2, sq: 128, sk: 256, d: 64 }));
+        assert!(parse_shape("1,8,8,128,128").is_err());
+        assert!(parse_shape("1,8,8,128,128,x").is_err());
+    }
+
+    #[test]
+    fn bytes_use_binary_units() {
+        assert_eq!(fmt_bytes(512), "512 B");
+        assert_eq!(fmt_bytes(1536), "1.5 KiB");
+        assert_eq!(fmt_bytes(256 << 20), "256.0 MiB");
+        assert_eq!(fmt_bytes(3 << 30), "3.00 GiB");
+    }
+
+    #[test]
+    fn median_of_even_and_odd_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
+
+    #[test]
+    fn json_line_has_the_contract_keys() {
+        let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: true };
+        let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: f64::INFINITY, peak_extra: 42 };
+        let line = json_line(Device::Cpu, DType::BF16, &p, &m);
+        for key in
+            ["device", "dtype", "b", "hq", "hk", "sq", "sk", "d", "causal", "fwd_ms", "gflops", "peak_extra_bytes"]
+        {
+            assert!(line.contains(&format!("\"{key}\":")), "{key} missing in {line}");
+        }
+        assert!(line.contains("\"gflops\":null") && line.contains("\"causal\":true"));
+    }
+}

@@ -1,0 +1,247 @@
+//! `flash-attn run`: attention on the tensors of a safetensors file (DESIGN §5).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use flash_attn::{AttentionSpec, DType, Element, Tensor, TensorMut};
+use half::{bf16, f16};
+use safetensors::Dtype;
+
+use crate::progress::Progress;
+use crate::safetensors_io::{self, Input, LeScalar, OwnedTensor};
+use crate::{CliError, Device, Result};
+
+/// Arguments of `flash-attn run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// safetensors file with `q`, `k`, `v` (F32, F16 or BF16); optional `cu_seqlens_q` and
+    /// `cu_seqlens_k` (I32, packed varlen), `alibi_slopes` (F32 [hq] or [b, hq]), `block_mask`
+    /// (U8 or BOOL, nonzero = visible).
+    #[arg(long, value_name = "IN.safetensors")]
+    input: PathBuf,
+
+    /// File to write `out` (dtype of q) and `lse` (F32) to; untouched if anything fails.
+    #[arg(long, value_name = "OUT.safetensors")]
+    output: PathBuf,
+
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+
+    /// Causal mask aligned bottom-right (`j <= i + sk - sq`).
+    #[arg(long, conflicts_with = "causal_top_left")]
+    causal: bool,
+
+    /// Causal mask aligned top-left (`j <= i`), as torch SDPA's `is_causal`.
+    #[arg(long)]
+    causal_top_left: bool,
+
+    /// Sliding window: query i sees keys i+off-LEFT ..= i+off+RIGHT; -1 = unbounded side.
+    #[arg(long, value_name = "LEFT,RIGHT", value_parser = parse_pair::<i64>, allow_hyphen_values = true)]
+    window: Option<(i64, i64)>,
+
+    /// Soft-capping of scores: s = C·tanh(s/C).
+    #[arg(long, value_name = "C", allow_hyphen_values = true)]
+    softcap: Option<f32>,
+
+    /// Softmax scale (default 1/sqrt(d)).
+    #[arg(long, value_name = "S", allow_hyphen_values = true)]
+    scale: Option<f32>,
+
+    /// Block size of `block_mask` (query rows, key columns); required with a block mask.
+    #[arg(long, value_name = "BQ,BK", value_parser = parse_pair::<usize>)]
+    block_size: Option<(usize, usize)>,
+
+    /// Dropout probability (not implemented yet).
+    #[arg(long, value_name = "P", allow_hyphen_values = true)]
+    dropout: Option<f32>,
+
+    /// Dropout seed (not implemented yet).
+    #[arg(long, value_name = "N", requires = "dropout")]
+    seed: Option<u64>,
+
+    /// Also run the backward pass on `dout` and write `dq`, `dk`, `dv` (not implemented yet).
+    #[arg(long)]
+    backward: bool,
+}
+
+/// Parses `A,B`.
+pub fn parse_pair<T: std::str::FromStr>(s: &str) -> std::result::Result<(T, T), String>
+where
+    T::Err: std::fmt::Display,
+{
+    let (a, b) = s.split_once(',').ok_or_else(|| format!("expected two values `A,B`, got `{s}`"))?;
+    let parse = |x: &str| x.trim().parse::<T>().map_err(|e| format!("`{}`: {e}", x.trim()));
+    Ok((parse(a)?, parse(b)?))
+}
+
+/// Runs `flash-attn run`.
+pub fn main(args: &RunArgs) -> Result<ExitCode> {
+    args.device.ensure_available()?;
+    if args.dropout.is_some() {
+        return Err(CliError::new("dropout (`--dropout`) is not implemented yet"));
+    }
+    if args.backward {
+        return Err(CliError::new("the backward pass (`--backward`) is not implemented yet"));
+    }
+    let _spinner = Progress::spinner("attention");
+    let bytes = safetensors_io::read_file(&args.input)?;
+    let input = Input::parse(&bytes, &args.input)?;
+    let outputs = forward(args, &input)?;
+    safetensors_io::write_atomically(&args.output, &outputs)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The element type of `q`, `k` and `v`, which must agree.
+fn input_dtype(input: &Input<'_>) -> Result<DType> {
+    let mut dtype = None;
+    for name in ["q", "k", "v"] {
+        let t = input.require(name)?.dtype();
+        let this = match t {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => return Err(CliError::new(format!("`{name}` has dtype {other:?}; expected F32, F16 or BF16"))),
+        };
+        match dtype {
+            None => dtype = Some(this),
+            Some(q) if q != this => {
+                return Err(CliError::new(format!(
+                    "`{name}` is {} but `q` is {}; q, k and v must share one dtype",
+                    this.name().to_uppercase(),
+                    q.name().to_uppercase()
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    dtype.ok_or_else(|| CliError::new("no input tensors"))
+}
+
+fn forward(args: &RunArgs, input: &Input<'_>) -> Result<Vec<(&'static str, OwnedTensor)>> {
+    match input_dtype(input)? {
+        DType::F32 => forward_typed::<f32>(args, input),
+        DType::F16 => forward_typed::<f16>(args, input),
+        DType::BF16 => forward_typed::<bf16>(args, input),
+    }
+}
+
+/// A decoded tensor and its shape.
+struct Owned<T> {
+    data: Vec<T>,
+    shape: Vec<usize>,
+}
+
+impl<T> Owned<T> {
+    fn view(&self) -> Tensor<'_, T> {
+        Tensor::new(&self.data, &self.shape)
+    }
+}
+
+/// The optional tensors of the file, decoded.
+struct Extras {
+    /// `cu_seqlens_q`, `cu_seqlens_k`.
+    cu_seqlens: Option<(Vec<i32>, Vec<i32>)>,
+    alibi: Option<Owned<f32>>,
+    /// The mask and its block size `(BQ, BK)`.
+    block_mask: Option<(Owned<u8>, (usize, usize))>,
+}
+
+fn read_extras(args: &RunArgs, input: &Input<'_>) -> Result<Extras> {
+    let cu = |name: &str| -> Result<Option<Vec<i32>>> {
+        let Some(t) = input.get(name)? else { return Ok(None) };
+        if t.shape().len() != 1 {
+            return Err(CliError::new(format!("`{name}` must have 1 dimension ([b + 1]), got shape {:?}", t.shape())));
+        }
+        safetensors_io::decode::<i32>(name, &t).map(Some)
+    };
+    let cu_seqlens = match (cu("cu_seqlens_q")?, cu("cu_seqlens_k")?) {
+        (Some(q), Some(k)) => Some((q, k)),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(CliError::new("`cu_seqlens_q` is present but `cu_seqlens_k` is not; varlen needs both"))
+        }
+        (None, Some(_)) => {
+            return Err(CliError::new("`cu_seqlens_k` is present but `cu_seqlens_q` is not; varlen needs both"))
+        }
+    };
+
+    let alibi = match input.get("alibi_slopes")? {
+        Some(t) => Some(Owned { data: safetensors_io::decode::<f32>("alibi_slopes", &t)?, shape: t.shape().to_vec() }),
+        None => None,
+    };
+
+    let block_mask = match (input.get("block_mask")?, args.block_size) {
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(CliError::new("the input has a `block_mask`; give its block size with `--block-size BQ,BK`"))
+        }
+        (None, Some(_)) => return Err(CliError::new("`--block-size` needs a `block_mask` tensor in the input")),
+        (Some(t), Some(size)) => {
+            let mask = match t.dtype() {
+                Dtype::U8 | Dtype::BOOL => safetensors_io::decode_bytes::<u8>("block_mask", &t)?,
+                other => return Err(CliError::new(format!("`block_mask` must be U8 or BOOL, got {other:?}"))),
+            };
+            Some((Owned { data: mask, shape: t.shape().to_vec() }, size))
+        }
+    };
+    Ok(Extras { cu_seqlens, alibi, block_mask })
+}
+
+fn forward_typed<T: Element + LeScalar>(args: &RunArgs, input: &Input<'_>) -> Result<Vec<(&'static str, OwnedTensor)>> {
+    let views = [input.require("q")?, input.require("k")?, input.require("v")?];
+    let [q, k, v] = [
+        safetensors_io::decode::<T>("q", &views[0])?,
+        safetensors_io::decode::<T>("k", &views[1])?,
+        safetensors_io::decode::<T>("v", &views[2])?,
+    ];
+    let extras = read_extras(args, input)?;
+
+    let mut spec = AttentionSpec::new();
+    if args.causal {
+        spec = spec.causal();
+    }
+    if args.causal_top_left {
+        spec = spec.causal_top_left();
+    }
+    if let Some((left, right)) = args.window {
+        spec = spec.window(left, right);
+    }
+    if let Some(c) = args.softcap {
+        spec = spec.softcap(c);
+    }
+    if let Some(s) = args.scale {
+        spec = spec.scale(s);
+    }
+    if let Some(slopes) = &extras.alibi {
+        spec = spec.alibi_slopes(slopes.view());
+    }
+    if let Some((mask, (bq, bk))) = &extras.block_mask {
+        spec = spec.block_mask(mask.view(), *bq, *bk);
+    }
+    if let Some((cq, ck)) = &extras.cu_seqlens {
+        spec = spec.varlen(cq, ck);
+    }
+
+    let q = Tensor::new(&q, views[0].shape());
+    let k = Tensor::new(&k, views[1].shape());
+    let v = Tensor::new(&v, views[2].shape());
+    let geometry = spec.geometry(&q, &k, &v)?;
+    let out_shape = geometry.out_shape();
+    let lse_shape = geometry.lse_shape();
+    let mut out = zeroed::<T>("out", &out_shape)?;
+    let mut lse = zeroed::<f32>("lse", &lse_shape)?;
+    flash_attn::forward_into(&spec, &q, &k, &v, &mut TensorMut::new(&mut out, &out_shape), &mut lse)?;
+    Ok(vec![("out", OwnedTensor::encode(&out, &out_shape)), ("lse", OwnedTensor::encode(&lse, &lse_shape))])
+}
+
+/// A zeroed buffer for a tensor of `shape`, or an error (not an abort) if it cannot be had.
+pub fn zeroed<T: Default + Clone>(name: &str, shape: &[usize]) -> Result<Vec<T>> {
+    let too_big = || CliError::new(format!("cannot allocate `{name}` of shape {shape:?}: out of memory"));
+    let n = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(too_big)?;
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(n).map_err(|_| too_big())?;
+    buf.resize(n, T::default());
+    Ok(buf)
+}

@@ -1,0 +1,679 @@
+//! The `flash-attn` command as users and outside test suites see it (DESIGN §5, BENCH.md): `run`
+//! agrees with the oracle, every bad input is one line on stderr with exit code 2 and an untouched
+//! output file, `check` and `bench --json` print what their contracts say.
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use flash_attn::check::{compare, Rng};
+use flash_attn::{AttentionSpec, Causal, Element, Tensor};
+use half::{bf16, f16};
+use safetensors::{Dtype, SafeTensors, View};
+
+const BIN: &str = env!("CARGO_BIN_EXE_flash-attn");
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures
+// ---------------------------------------------------------------------------------------------
+
+/// A fresh directory under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("flash-attn-cli-{}-{n}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        Self(dir)
+    }
+
+    fn path(&self, file: &str) -> PathBuf {
+        self.0.join(file)
+    }
+
+    /// File names in the directory, sorted.
+    fn files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.0)
+            .expect("read temp dir")
+            .map(|e| e.expect("dir entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A tensor to write: dtype, shape and little-endian bytes.
+#[derive(Clone)]
+struct Raw {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl View for &Raw {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Element types the tests write and read.
+trait Le: Copy {
+    const ST_DTYPE: Dtype;
+    fn bytes(self) -> Vec<u8>;
+    fn read(b: &[u8]) -> Self;
+}
+
+macro_rules! le {
+    ($t:ty, $d:expr) => {
+        impl Le for $t {
+            const ST_DTYPE: Dtype = $d;
+            fn bytes(self) -> Vec<u8> {
+                self.to_le_bytes().to_vec()
+            }
+            fn read(b: &[u8]) -> Self {
+                <$t>::from_le_bytes(b.try_into().expect("element width"))
+            }
+        }
+    };
+}
+le!(f32, Dtype::F32);
+le!(f16, Dtype::F16);
+le!(bf16, Dtype::BF16);
+le!(i32, Dtype::I32);
+le!(i64, Dtype::I64);
+le!(u8, Dtype::U8);
+
+fn raw<T: Le>(values: &[T], shape: &[usize]) -> Raw {
+    Raw { dtype: T::ST_DTYPE, shape: shape.to_vec(), bytes: values.iter().flat_map(|x| x.bytes()).collect() }
+}
+
+fn decode<T: Le>(bytes: &[u8]) -> Vec<T> {
+    bytes.chunks_exact(std::mem::size_of::<T>()).map(T::read).collect()
+}
+
+fn normal<T: Element>(rng: &mut Rng, shape: &[usize]) -> Vec<T> {
+    (0..shape.iter().product::<usize>()).map(|_| T::from_f64(rng.normal())).collect()
+}
+
+fn save(path: &Path, tensors: &[(&str, Raw)]) {
+    let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (*n, t)), &None).expect("serialize");
+    std::fs::write(path, bytes).expect("write input");
+}
+
+/// The inputs of one `run`, typed, with the optional tensors.
+struct Inputs<T> {
+    q: (Vec<T>, Vec<usize>),
+    k: (Vec<T>, Vec<usize>),
+    v: (Vec<T>, Vec<usize>),
+    cu_seqlens: Option<(Vec<i32>, Vec<i32>)>,
+    alibi: Option<(Vec<f32>, Vec<usize>)>,
+    block_mask: Option<(Vec<u8>, Vec<usize>, Dtype)>,
+}
+
+impl<T: Element + Le> Inputs<T> {
+    /// Fixed-length `q [b, sq, hq, d]`, `k [b, sk, hk, d]`, `v [b, sk, hk, dv]`.
+    fn fixed(seed: u64, b: usize, (sq, sk): (usize, usize), (hq, hk): (usize, usize), (d, dv): (usize, usize)) -> Self {
+        let mut rng = Rng::new(seed);
+        let (qs, ks, vs) = (vec![b, sq, hq, d], vec![b, sk, hk, d], vec![b, sk, hk, dv]);
+        Self {
+            q: (normal(&mut rng, &qs), qs),
+            k: (normal(&mut rng, &ks), ks),
+            v: (normal(&mut rng, &vs), vs),
+            cu_seqlens: None,
+            alibi: None,
+            block_mask: None,
+        }
+    }
+
+    /// Packed varlen with the given `(sq, sk)` per sequence.
+    fn varlen(seed: u64, lens: &[(usize, usize)], hq: usize, hk: usize, d: usize) -> Self {
+        let mut rng = Rng::new(seed);
+        let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
+        for &(sq, sk) in lens {
+            cq.push(cq[cq.len() - 1] + sq as i32);
+            ck.push(ck[ck.len() - 1] + sk as i32);
+        }
+        let (tq, tk) = (cq[cq.len() - 1] as usize, ck[ck.len() - 1] as usize);
+        let (qs, ks) = (vec![tq, hq, d], vec![tk, hk, d]);
+        Self {
+            q: (normal(&mut rng, &qs), qs),
+            k: (normal(&mut rng, &ks), ks.clone()),
+            v: (normal(&mut rng, &ks), ks),
+            cu_seqlens: Some((cq, ck)),
+            alibi: None,
+            block_mask: None,
+        }
+    }
+
+    fn tensors(&self) -> Vec<(&'static str, Raw)> {
+        let mut t =
+            vec![("q", raw(&self.q.0, &self.q.1)), ("k", raw(&self.k.0, &self.k.1)), ("v", raw(&self.v.0, &self.v.1))];
+        if let Some((cq, ck)) = &self.cu_seqlens {
+            t.push(("cu_seqlens_q", raw(cq, &[cq.len()])));
+            t.push(("cu_seqlens_k", raw(ck, &[ck.len()])));
+        }
+        if let Some((slopes, shape)) = &self.alibi {
+            t.push(("alibi_slopes", raw(slopes, shape)));
+        }
+        if let Some((mask, shape, dtype)) = &self.block_mask {
+            t.push(("block_mask", Raw { dtype: *dtype, ..raw(mask, shape) }));
+        }
+        t
+    }
+}
+
+/// The options of one `run`, as arguments and as a spec.
+#[derive(Default)]
+struct Opts {
+    causal: Causal,
+    /// `(left, right, as one "--window=L,R" argument)`.
+    window: Option<(i64, i64, bool)>,
+    softcap: Option<f32>,
+    scale: Option<f32>,
+    block_size: Option<(usize, usize)>,
+}
+
+impl Opts {
+    fn args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        match self.causal {
+            Causal::None => {}
+            Causal::BottomRight => a.push("--causal".to_owned()),
+            Causal::TopLeft => a.push("--causal-top-left".to_owned()),
+        }
+        if let Some((l, r, joined)) = self.window {
+            if joined {
+                a.push(format!("--window={l},{r}"));
+            } else {
+                a.extend(["--window".to_owned(), format!("{l},{r}")]);
+            }
+        }
+        if let Some(c) = self.softcap {
+            a.extend(["--softcap".to_owned(), c.to_string()]);
+        }
+        if let Some(s) = self.scale {
+            a.extend(["--scale".to_owned(), s.to_string()]);
+        }
+        if let Some((bq, bk)) = self.block_size {
+            a.extend(["--block-size".to_owned(), format!("{bq},{bk}")]);
+        }
+        a
+    }
+}
+
+fn flash_attn(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("run flash-attn")
+}
+
+fn run(input: &Path, output: &Path, extra: &[String]) -> Output {
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--input".into(),
+        input.display().to_string(),
+        "--output".into(),
+        output.display().to_string(),
+    ];
+    args.extend(extra.iter().cloned());
+    Command::new(BIN).args(&args).output().expect("run flash-attn")
+}
+
+/// Runs the binary on `inputs` with `opts` and checks `out` and `lse` against the f64 oracle under
+/// the numerics contract, plus their dtypes and shapes.
+fn assert_run_matches_oracle<T: Element + Le>(inputs: &Inputs<T>, opts: &Opts) {
+    let dir = TempDir::new("ok");
+    let (input, output) = (dir.path("in.safetensors"), dir.path("out.safetensors"));
+    save(&input, &inputs.tensors());
+    std::fs::write(&output, b"an older output, to be replaced").expect("write old output");
+    let res = run(&input, &output, &opts.args());
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "args {:?}: {stderr}", opts.args());
+    assert_eq!(dir.files(), ["in.safetensors", "out.safetensors"], "no temporary files left behind");
+
+    let bytes = std::fs::read(&output).expect("read output");
+    let st = SafeTensors::deserialize(&bytes).expect("output is safetensors");
+    let (out, lse) = (st.tensor("out").expect("out"), st.tensor("lse").expect("lse"));
+    assert_eq!(out.dtype(), T::ST_DTYPE);
+    assert_eq!(lse.dtype(), Dtype::F32);
+
+    let q = Tensor::new(&inputs.q.0, &inputs.q.1);
+    let k = Tensor::new(&inputs.k.0, &inputs.k.1);
+    let v = Tensor::new(&inputs.v.0, &inputs.v.1);
+    let mut spec = AttentionSpec::new().causal_mode(opts.causal);
+    if let Some((l, r, _)) = opts.window {
+        spec = spec.window(l, r);
+    }
+    if let Some(c) = opts.softcap {
+        spec = spec.softcap(c);
+    }
+    if let Some(s) = opts.scale {
+        spec = spec.scale(s);
+    }
+    if let Some((slopes, shape)) = &inputs.alibi {
+        spec = spec.alibi_slopes(Tensor::new(slopes, shape));
+    }
+    if let (Some((mask, shape, _)), Some((bq, bk))) = (&inputs.block_mask, opts.block_size) {
+        spec = spec.block_mask(Tensor::new(mask, shape), bq, bk);
+    }
+    if let Some((cq, ck)) = &inputs.cu_seqlens {
+        spec = spec.varlen(cq, ck);
+    }
+    let g = spec.geometry(&q, &k, &v).expect("valid problem");
+    assert_eq!(out.shape(), g.out_shape().as_slice());
+    assert_eq!(lse.shape(), g.lse_shape().as_slice());
+
+    let oracle = flash_attn::reference::forward(&spec, &q, &k, &v).expect("oracle");
+    let naive = flash_attn::reference::naive(&spec, &q, &k, &v).expect("naive");
+    let ours_out: Vec<f64> = decode::<T>(out.data()).iter().map(|x| x.to_f64()).collect();
+    let ours_lse: Vec<f64> = decode::<f32>(lse.data()).iter().map(|&x| f64::from(x)).collect();
+    let c_out = compare(&ours_out, &oracle.out, &naive.out, <T as Element>::DTYPE);
+    let c_lse = compare(&ours_lse, &oracle.lse, &naive.lse, <T as Element>::DTYPE);
+    assert!(c_out.passed(), "out: {c_out} (args {:?})", opts.args());
+    assert!(c_lse.passed(), "lse: {c_lse} (args {:?})", opts.args());
+}
+
+// ---------------------------------------------------------------------------------------------
+// `run` agrees with the oracle
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn run_plain_gqa_f32_matches_oracle() {
+    let inputs = Inputs::<f32>::fixed(1, 2, (33, 47), (4, 2), (16, 16));
+    assert_run_matches_oracle(&inputs, &Opts::default());
+}
+
+#[test]
+fn run_causal_softcap_scale_f16_matches_oracle() {
+    let inputs = Inputs::<f16>::fixed(2, 1, (40, 70), (2, 1), (32, 24));
+    let opts = Opts { causal: Causal::BottomRight, softcap: Some(20.0), scale: Some(0.3), ..Opts::default() };
+    assert_run_matches_oracle(&inputs, &opts);
+}
+
+#[test]
+fn run_causal_top_left_bf16_matches_oracle() {
+    let inputs = Inputs::<bf16>::fixed(3, 2, (50, 30), (3, 3), (64, 64));
+    assert_run_matches_oracle(&inputs, &Opts { causal: Causal::TopLeft, ..Opts::default() });
+}
+
+#[test]
+fn run_varlen_causal_window_matches_oracle() {
+    let inputs = Inputs::<f32>::varlen(4, &[(17, 30), (0, 5), (25, 25), (9, 3)], 4, 1, 16);
+    let opts = Opts { causal: Causal::BottomRight, window: Some((6, 0, true)), ..Opts::default() };
+    assert_run_matches_oracle(&inputs, &opts);
+}
+
+#[test]
+fn run_alibi_with_negative_window_as_one_argument_matches_oracle() {
+    let mut inputs = Inputs::<f32>::fixed(5, 2, (30, 30), (4, 2), (16, 16));
+    inputs.alibi = Some(((0..8).map(|i| 0.05 * (i + 1) as f32).collect(), vec![2, 4]));
+    assert_run_matches_oracle(&inputs, &Opts { window: Some((-1, 3, true)), ..Opts::default() });
+}
+
+#[test]
+fn run_alibi_per_head_with_negative_window_as_two_arguments_matches_oracle() {
+    let mut inputs = Inputs::<bf16>::varlen(6, &[(20, 31), (12, 12)], 2, 2, 32);
+    inputs.alibi = Some((vec![0.25, 0.0625], vec![2]));
+    assert_run_matches_oracle(&inputs, &Opts { window: Some((-1, 0, false)), ..Opts::default() });
+}
+
+#[test]
+fn run_block_mask_u8_matches_oracle() {
+    let mut inputs = Inputs::<f32>::fixed(7, 1, (37, 45), (2, 2), (16, 16));
+    // qb = ceil(37 / 8) = 5, kb = ceil(45 / 16) = 3.
+    let mask: Vec<u8> = (0..15).map(|i| u8::from(i % 3 != 1) * 7).collect();
+    inputs.block_mask = Some((mask, vec![5, 3], Dtype::U8));
+    assert_run_matches_oracle(&inputs, &Opts { block_size: Some((8, 16)), ..Opts::default() });
+}
+
+#[test]
+fn run_block_mask_bool_per_head_matches_oracle() {
+    let mut inputs = Inputs::<f16>::fixed(8, 2, (20, 20), (2, 1), (16, 8));
+    // [b, hq, qb, kb] = [2, 2, 4, 2] for blocks of (5, 10).
+    let mask: Vec<u8> = (0..32).map(|i| u8::from(i % 5 != 0)).collect();
+    inputs.block_mask = Some((mask, vec![2, 2, 4, 2], Dtype::BOOL));
+    let opts = Opts { causal: Causal::BottomRight, block_size: Some((5, 10)), ..Opts::default() };
+    assert_run_matches_oracle(&inputs, &opts);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: one line on stderr, exit code 2, output untouched
+// ---------------------------------------------------------------------------------------------
+
+/// What the input file holds in a rejection test.
+enum Content {
+    Tensors(Vec<(&'static str, Raw)>),
+    Bytes(Vec<u8>),
+    Missing,
+}
+
+/// Runs with `content` and `args` over an existing output file and checks the error contract.
+fn assert_rejected(content: Content, args: &[&str]) -> String {
+    let dir = TempDir::new("bad");
+    let (input, output) = (dir.path("in.safetensors"), dir.path("out.safetensors"));
+    match &content {
+        Content::Tensors(t) => save(&input, t),
+        Content::Bytes(b) => std::fs::write(&input, b).expect("write input"),
+        Content::Missing => {}
+    }
+    let sentinel: Vec<u8> = (0..=255u8).rev().cycle().take(777).collect();
+    std::fs::write(&output, &sentinel).expect("write sentinel");
+    let extra: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let res = run(&input, &output, &extra);
+    let stderr = String::from_utf8_lossy(&res.stderr).into_owned();
+    assert_eq!(res.status.code(), Some(2), "args {args:?}, stderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "exactly one stderr line, got {stderr:?}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(std::fs::read(&output).expect("output still there"), sentinel, "output file was modified");
+    let mut expected = vec!["out.safetensors".to_owned()];
+    if !matches!(content, Content::Missing) {
+        expected.insert(0, "in.safetensors".to_owned());
+    }
+    assert_eq!(dir.files(), expected, "no temporary files left behind");
+    lines[0].to_owned()
+}
+
+/// Valid fixed-length inputs: q [1, 5, 4, 8], k, v [1, 7, 2, 8].
+fn valid() -> Vec<(&'static str, Raw)> {
+    Inputs::<f32>::fixed(9, 1, (5, 7), (4, 2), (8, 8)).tensors()
+}
+
+/// [`valid`] with `name` replaced (or added).
+fn with(name: &'static str, t: Raw) -> Vec<(&'static str, Raw)> {
+    let mut v: Vec<_> = valid().into_iter().filter(|(n, _)| *n != name).collect();
+    v.push((name, t));
+    v
+}
+
+fn without(name: &str) -> Vec<(&'static str, Raw)> {
+    valid().into_iter().filter(|(n, _)| *n != name).collect()
+}
+
+/// Valid varlen inputs: two sequences, q [9, 4, 8], k, v [11, 2, 8].
+fn valid_varlen() -> Vec<(&'static str, Raw)> {
+    Inputs::<f32>::varlen(10, &[(4, 5), (5, 6)], 4, 2, 8).tensors()
+}
+
+fn varlen_with(name: &'static str, cu: &[i32]) -> Content {
+    let mut v: Vec<_> = valid_varlen().into_iter().filter(|(n, _)| *n != name).collect();
+    v.push((name, raw(cu, &[cu.len()])));
+    Content::Tensors(v)
+}
+
+fn zeros_f32(shape: &[usize]) -> Raw {
+    raw(&vec![0.0f32; shape.iter().product()], shape)
+}
+
+#[test]
+fn valid_control_input_succeeds() {
+    let dir = TempDir::new("control");
+    let (input, output) = (dir.path("in.safetensors"), dir.path("out.safetensors"));
+    save(&input, &valid());
+    let res = run(&input, &output, &[]);
+    assert!(res.status.success(), "{}", String::from_utf8_lossy(&res.stderr));
+    assert!(res.stderr.is_empty());
+}
+
+#[test]
+fn missing_tensor_is_rejected() {
+    let line = assert_rejected(Content::Tensors(without("v")), &[]);
+    assert!(line.contains("`v`"), "{line}");
+}
+
+#[test]
+fn wrong_dtype_is_rejected() {
+    let line = assert_rejected(Content::Tensors(with("q", raw(&[1i64; 160], &[1, 5, 4, 8]))), &[]);
+    assert!(line.contains("I64"), "{line}");
+}
+
+#[test]
+fn mixed_dtypes_are_rejected() {
+    let k: Vec<f16> = vec![f16::from_f32(0.5); 7 * 2 * 8];
+    assert_rejected(Content::Tensors(with("k", raw(&k, &[1, 7, 2, 8]))), &[]);
+}
+
+#[test]
+fn corrupt_file_is_rejected() {
+    let mut bytes = b"\x13\x00\x00\x00\x00\x00\x00\x00{not json at all}".to_vec();
+    bytes.extend(0..=255u8);
+    assert_rejected(Content::Bytes(bytes), &[]);
+}
+
+#[test]
+fn empty_file_is_rejected() {
+    assert_rejected(Content::Bytes(Vec::new()), &[]);
+}
+
+#[test]
+fn truncated_file_is_rejected() {
+    let bytes = safetensors::serialize(valid().iter().map(|(n, t)| (*n, t)), &None).expect("serialize");
+    assert_rejected(Content::Bytes(bytes[..bytes.len() - 17].to_vec()), &[]);
+    assert_rejected(Content::Bytes(bytes[..bytes.len() / 2].to_vec()), &[]);
+}
+
+#[test]
+fn missing_input_file_is_rejected() {
+    assert_rejected(Content::Missing, &[]);
+}
+
+#[test]
+fn wrong_rank_is_rejected() {
+    assert_rejected(Content::Tensors(with("q", zeros_f32(&[5, 4, 8]))), &[]);
+}
+
+#[test]
+fn mismatched_heads_are_rejected() {
+    assert_rejected(Content::Tensors(with("v", zeros_f32(&[1, 7, 1, 8]))), &[]);
+}
+
+#[test]
+fn mismatched_head_dims_are_rejected() {
+    assert_rejected(Content::Tensors(with("k", zeros_f32(&[1, 7, 2, 6]))), &[]);
+}
+
+#[test]
+fn head_ratio_not_integral_is_rejected() {
+    assert_rejected(Content::Tensors(with("q", zeros_f32(&[1, 5, 3, 8]))), &[]);
+}
+
+#[test]
+fn cu_seqlens_not_starting_at_zero_is_rejected() {
+    assert_rejected(varlen_with("cu_seqlens_q", &[1, 4, 9]), &[]);
+}
+
+#[test]
+fn decreasing_cu_seqlens_are_rejected() {
+    assert_rejected(varlen_with("cu_seqlens_k", &[0, 6, 5]), &[]);
+}
+
+#[test]
+fn cu_seqlens_past_the_end_are_rejected() {
+    assert_rejected(varlen_with("cu_seqlens_k", &[0, 5, 12]), &[]);
+}
+
+#[test]
+fn cu_seqlens_of_the_wrong_length_are_rejected() {
+    assert_rejected(varlen_with("cu_seqlens_k", &[0, 3, 5, 11]), &[]);
+}
+
+#[test]
+fn cu_seqlens_of_the_wrong_dtype_are_rejected() {
+    let mut v: Vec<_> = valid_varlen().into_iter().filter(|(n, _)| *n != "cu_seqlens_q").collect();
+    v.push(("cu_seqlens_q", raw(&[0i64, 4, 9], &[3])));
+    assert_rejected(Content::Tensors(v), &[]);
+}
+
+#[test]
+fn cu_seqlens_without_their_pair_are_rejected() {
+    let v: Vec<_> = valid_varlen().into_iter().filter(|(n, _)| *n != "cu_seqlens_k").collect();
+    assert_rejected(Content::Tensors(v), &[]);
+}
+
+#[test]
+fn window_below_minus_one_is_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--window=-2,0"]);
+    assert_rejected(Content::Tensors(valid()), &["--window", "0,-5"]);
+}
+
+#[test]
+fn malformed_window_is_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--window", "3"]);
+}
+
+#[test]
+fn nan_scale_is_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--scale", "NaN"]);
+}
+
+#[test]
+fn infinite_scale_is_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--scale", "inf"]);
+    assert_rejected(Content::Tensors(valid()), &["--scale=-inf"]);
+}
+
+#[test]
+fn non_positive_softcap_is_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--softcap", "0"]);
+    assert_rejected(Content::Tensors(valid()), &["--softcap", "-1.5"]);
+}
+
+#[test]
+fn block_mask_of_the_wrong_shape_is_rejected() {
+    // sq 5, sk 7 with blocks (4, 4) need [2, 2].
+    assert_rejected(Content::Tensors(with("block_mask", raw(&[1u8; 9], &[3, 3]))), &["--block-size", "4,4"]);
+}
+
+#[test]
+fn block_mask_of_the_wrong_dtype_is_rejected() {
+    assert_rejected(Content::Tensors(with("block_mask", zeros_f32(&[2, 2]))), &["--block-size", "4,4"]);
+}
+
+#[test]
+fn zero_block_size_is_rejected() {
+    assert_rejected(Content::Tensors(with("block_mask", raw(&[1u8], &[1, 1]))), &["--block-size", "0,16"]);
+}
+
+#[test]
+fn block_mask_without_block_size_is_rejected() {
+    assert_rejected(Content::Tensors(with("block_mask", raw(&[1u8; 4], &[2, 2]))), &[]);
+}
+
+#[test]
+fn block_size_without_block_mask_is_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--block-size", "4,4"]);
+}
+
+#[test]
+fn alibi_slopes_of_the_wrong_shape_are_rejected() {
+    assert_rejected(Content::Tensors(with("alibi_slopes", zeros_f32(&[5]))), &[]);
+    assert_rejected(Content::Tensors(with("alibi_slopes", zeros_f32(&[2, 4]))), &[]);
+}
+
+#[test]
+fn alibi_slopes_of_the_wrong_dtype_are_rejected() {
+    assert_rejected(Content::Tensors(with("alibi_slopes", raw(&[1i32; 4], &[4]))), &[]);
+}
+
+#[test]
+fn cuda_device_is_rejected_in_a_cpu_build() {
+    let line = assert_rejected(Content::Tensors(valid()), &["--device", "cuda"]);
+    assert!(line.contains("cuda backend is not available"), "{line}");
+}
+
+#[test]
+fn dropout_and_backward_are_not_implemented_yet() {
+    let line = assert_rejected(Content::Tensors(valid()), &["--dropout", "0.1", "--seed", "3"]);
+    assert!(line.contains("not implemented yet"), "{line}");
+    let line = assert_rejected(Content::Tensors(valid()), &["--backward"]);
+    assert!(line.contains("not implemented yet"), "{line}");
+}
+
+#[test]
+fn conflicting_causal_flags_are_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--causal", "--causal-top-left"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// check and bench
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn check_reports_all_cases_passed() {
+    let res = flash_attn(&["check", "--cases", "20", "--seed", "7"]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{stdout}{}", String::from_utf8_lossy(&res.stderr));
+    assert_eq!(stdout.lines().last(), Some("20 passed, 0 failed"), "{stdout}");
+}
+
+/// A flat JSON object (`"key": string | number | bool | null`), as `bench --json` prints.
+fn parse_flat_json(line: &str) -> Option<Vec<(String, String)>> {
+    let body = line.trim().strip_prefix('{')?.strip_suffix('}')?;
+    body.split(',')
+        .map(|pair| {
+            let (k, v) = pair.split_once(':')?;
+            let key = k.trim().strip_prefix('"')?.strip_suffix('"')?;
+            let v = v.trim();
+            let valid = (v.starts_with('"') && v.ends_with('"') && v.len() >= 2)
+                || v == "true"
+                || v == "false"
+                || v == "null"
+                || v.parse::<f64>().is_ok();
+            valid.then(|| (key.to_owned(), v.to_owned()))
+        })
+        .collect()
+}
+
+#[test]
+fn bench_json_line_has_the_contract_keys() {
+    let res =
+        flash_attn(&["bench", "--device", "cpu", "--dtype", "bf16", "--shape", "1,2,1,64,80,32", "--causal", "--json"]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{stdout}{}", String::from_utf8_lossy(&res.stderr));
+    let line = stdout.lines().last().expect("a JSON line");
+    let fields = parse_flat_json(line).unwrap_or_else(|| panic!("not a flat JSON object: {line}"));
+    let get = |k: &str| fields.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+    for key in ["device", "dtype", "b", "hq", "hk", "sq", "sk", "d", "causal", "fwd_ms", "gflops", "peak_extra_bytes"] {
+        assert!(get(key).is_some(), "key {key} missing in {line}");
+    }
+    assert_eq!(get("device"), Some("\"cpu\""));
+    assert_eq!(get("dtype"), Some("\"bf16\""));
+    assert_eq!((get("b"), get("hq"), get("hk")), (Some("1"), Some("2"), Some("1")));
+    assert_eq!((get("sq"), get("sk"), get("d")), (Some("64"), Some("80"), Some("32")));
+    assert_eq!(get("causal"), Some("true"));
+    assert!(get("fwd_ms").is_some_and(|v| v.parse::<f64>().is_ok()), "{line}");
+}
+
+#[test]
+fn bench_rejects_backward_and_cuda_for_now() {
+    for args in [&["bench", "--shape", "1,1,1,16,16,16", "--backward"][..], &["bench", "--device", "cuda"][..]] {
+        let res = flash_attn(args);
+        assert_eq!(res.status.code(), Some(2));
+        assert_eq!(String::from_utf8_lossy(&res.stderr).lines().count(), 1);
+    }
+}
+
+#[test]
+fn bench_rejects_an_invalid_shape() {
+    let res = flash_attn(&["bench", "--shape", "1,3,2,16,16,16", "--json"]);
+    assert_eq!(res.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&res.stderr).contains("multiple"));
+}
