@@ -16,7 +16,7 @@ use crate::cpu::{self, Tiles};
 use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::reference::{self, Reference};
-use crate::spec::{AttentionSpec, Causal};
+use crate::spec::{AttentionSpec, Causal, Dropout};
 use crate::tensor::{Tensor, TensorMut};
 
 /// A small, fast, seedable generator (xoshiro256++ seeded through SplitMix64), so that every
@@ -194,6 +194,8 @@ pub struct Comparison {
     pub naive_err: f64,
     /// The contract's bound.
     pub bound: f64,
+    /// `max|oracle|` over finite values.
+    pub max_ref: f64,
     /// Elements where ours and the oracle differ in finiteness (or NaN-ness, or infinity sign).
     pub nonfinite_mismatches: usize,
 }
@@ -207,7 +209,11 @@ impl Comparison {
 
 impl fmt::Display for Comparison {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "err {:.3e} <= bound {:.3e} (naive {:.3e})", self.max_err, self.bound, self.naive_err)?;
+        write!(
+            f,
+            "err {:.3e} <= bound {:.3e} (naive {:.3e}, max|ref| {:.3e})",
+            self.max_err, self.bound, self.naive_err, self.max_ref
+        )?;
         if self.nonfinite_mismatches > 0 {
             write!(f, ", {} non-finite mismatches", self.nonfinite_mismatches)?;
         }
@@ -216,8 +222,20 @@ impl fmt::Display for Comparison {
 }
 
 /// Compares `ours` with `oracle` under the numerics contract for `dtype`, using `naive` (Algorithm 0
-/// in the dtype) for the tolerance.
+/// in the dtype) for the tolerance and the oracle's own magnitude for the floor.
 pub fn compare(ours: &[f64], oracle: &[f64], naive: &[f64], dtype: DType) -> Comparison {
+    compare_with_magnitude(ours, oracle, naive, dtype, 0.0)
+}
+
+/// Largest finite `|x|`.
+pub fn max_abs(xs: &[f64]) -> f64 {
+    xs.iter().filter(|x| x.is_finite()).fold(0.0, |m, x| m.max(x.abs()))
+}
+
+/// [`compare`] with the floor `eps_T · max(1, magnitude, max|oracle|)`. Gradients use the largest
+/// magnitude of the three gradients of the call: they are computed from shared intermediates
+/// (`dP`, `D`), whose rounding lands on all of them.
+pub fn compare_with_magnitude(ours: &[f64], oracle: &[f64], naive: &[f64], dtype: DType, magnitude: f64) -> Comparison {
     let (mut max_err, mut naive_err, mut max_ref, mut mismatches) = (0.0f64, 0.0f64, 0.0f64, 0usize);
     if ours.len() != oracle.len() {
         mismatches += ours.len().abs_diff(oracle.len());
@@ -238,8 +256,8 @@ pub fn compare(ours: &[f64], oracle: &[f64], naive: &[f64], dtype: DType) -> Com
         }
         max_ref = max_ref.max(r.abs());
     }
-    let bound = 2.0 * naive_err + dtype.contract_eps() * max_ref.max(1.0);
-    Comparison { max_err, naive_err, bound, nonfinite_mismatches: mismatches }
+    let bound = 2.0 * naive_err + dtype.contract_eps() * max_ref.max(magnitude).max(1.0);
+    Comparison { max_err, naive_err, bound, max_ref, nonfinite_mismatches: mismatches }
 }
 
 /// The result of running one [`Case`].
@@ -449,6 +467,72 @@ impl Case {
         let oracle = reference::forward(&spec, &q, &k, &v)?;
         let naive = reference::naive(&spec, &q, &k, &v)?;
         Ok(report(&out, &lse, &oracle, &naive, self.dtype))
+    }
+}
+
+/// The result of running the backward pass of one [`Case`].
+#[derive(Debug, Clone)]
+pub struct BackwardReport {
+    /// `dq` against the oracle.
+    pub dq: Comparison,
+    /// `dk` against the oracle.
+    pub dk: Comparison,
+    /// `dv` against the oracle.
+    pub dv: Comparison,
+}
+
+impl BackwardReport {
+    /// Whether every gradient met the contract.
+    pub fn passed(&self) -> bool {
+        self.dq.passed() && self.dk.passed() && self.dv.passed()
+    }
+}
+
+impl fmt::Display for BackwardReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "dq: {}; dk: {}; dv: {}", self.dq, self.dk, self.dv)
+    }
+}
+
+impl Case {
+    /// Runs forward and backward on the CPU (with `dropout` if given) for a random `dout`, and
+    /// compares `dq, dk, dv` with the oracle's backward.
+    pub fn run_cpu_backward(&self, dropout: Option<Dropout>) -> Result<BackwardReport> {
+        match self.dtype {
+            DType::F32 => self.run_cpu_backward_typed::<f32>(dropout),
+            DType::F16 => self.run_cpu_backward_typed::<f16>(dropout),
+            DType::BF16 => self.run_cpu_backward_typed::<bf16>(dropout),
+        }
+    }
+
+    /// A random `dout` for this case, shaped like `out` (contiguous).
+    pub fn dout<T: Element>(&self, data: &CaseData<T>) -> Result<(Vec<T>, Vec<usize>)> {
+        let [q, k, v] = data.views();
+        let shape = self.spec(data).geometry(&q, &k, &v)?.out_shape();
+        let mut rng = Rng::new(self.seed ^ 0xD0D0_D0D0);
+        Ok(((0..shape.iter().product()).map(|_| T::from_f64(rng.normal())).collect(), shape))
+    }
+
+    fn run_cpu_backward_typed<T: Element>(&self, dropout: Option<Dropout>) -> Result<BackwardReport> {
+        let data = self.data::<T>();
+        let mut spec = self.spec(&data);
+        if let Some(dr) = dropout {
+            spec = spec.dropout(dr.p, dr.seed, dr.offset);
+        }
+        let [q, k, v] = data.views();
+        let (dout, dout_shape) = self.dout(&data)?;
+        let dout = Tensor::new(&dout, &dout_shape);
+        let saved = crate::forward_train(&spec, &q, &k, &v)?;
+        let grads = saved.backward(&spec, &q, &k, &v, &dout)?;
+        let oracle = reference::backward(&spec, &q, &k, &v, &dout)?;
+        let naive = reference::naive_backward(&spec, &q, &k, &v, &dout)?;
+        let widen = |x: &[T]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
+        let m = max_abs(&oracle.dq).max(max_abs(&oracle.dk)).max(max_abs(&oracle.dv));
+        Ok(BackwardReport {
+            dq: compare_with_magnitude(&widen(&grads.dq), &oracle.dq, &naive.dq, self.dtype, m),
+            dk: compare_with_magnitude(&widen(&grads.dk), &oracle.dk, &naive.dk, self.dtype, m),
+            dv: compare_with_magnitude(&widen(&grads.dv), &oracle.dv, &naive.dv, self.dtype, m),
+        })
     }
 }
 

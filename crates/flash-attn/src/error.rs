@@ -141,6 +141,14 @@ pub enum Error {
     #[error("ALiBi slopes are invalid: {0}")]
     Alibi(String),
 
+    /// A dropout probability outside `[0, 1)`.
+    #[error("dropout probability must be in [0, 1), got {0}")]
+    Dropout(f32),
+
+    /// Inputs of a backward pass that do not belong to the forward pass they claim to follow.
+    #[error("backward does not match its forward: {0}")]
+    Mismatch(String),
+
     /// A feature that this backend or build does not provide.
     #[error("unsupported: {0}")]
     Unsupported(String),

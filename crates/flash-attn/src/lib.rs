@@ -51,13 +51,14 @@ pub mod cpu;
 pub mod dtype;
 pub mod error;
 pub mod mask;
+pub mod philox;
 pub mod reference;
 pub mod spec;
 pub mod tensor;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use spec::{AttentionSpec, BlockMask, Causal, Geometry, Sequence};
+pub use spec::{AttentionSpec, BlockMask, Causal, Dropout, Geometry, Sequence};
 pub use tensor::{Tensor, TensorMut};
 
 /// The README's examples, compiled and run as doctests.
@@ -109,4 +110,120 @@ pub fn forward_into<T: Element>(
 ) -> Result<()> {
     let g = Geometry::new(spec, q, k, v)?;
     cpu::forward_into(&g, q, k, v, out, lse)
+}
+
+/// Gradients of a backward pass, in the input dtype and the contiguous layouts of `q`, `k`, `v`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gradients<T> {
+    /// `dq`, shaped like `q`.
+    pub dq: Vec<T>,
+    /// Shape of `dq`.
+    pub dq_shape: Vec<usize>,
+    /// `dk`, shaped like `k`: GQA gradients already summed into the `hk` heads.
+    pub dk: Vec<T>,
+    /// Shape of `dk`.
+    pub dk_shape: Vec<usize>,
+    /// `dv`, shaped like `v`.
+    pub dv: Vec<T>,
+    /// Shape of `dv`.
+    pub dv_shape: Vec<usize>,
+}
+
+/// Attention backward on the CPU, allocating the gradients: `dq, dk, dv` from the inputs, the
+/// forward's `out` and `lse`, and `dout` (shaped like `out`).
+///
+/// Scores and probabilities are recomputed tile by tile from `lse` (nothing `N × N` is stored);
+/// extra memory is an `f32` `dQ` accumulator and one float per query row. Results are bitwise
+/// identical across runs and thread counts. With dropout, the keep mask is regenerated from the
+/// spec's `(seed, offset)`, which must be those of the forward pass.
+pub fn backward<T: Element>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &Tensor<'_, T>,
+    lse: &[f32],
+    dout: &Tensor<'_, T>,
+) -> Result<Gradients<T>> {
+    let g = Geometry::new(spec, q, k, v)?;
+    let (dq_shape, dk_shape, dv_shape) = (g.q_shape(g.d), g.k_shape(g.d), g.k_shape(g.dv));
+    let mut dq = vec![T::default(); dq_shape.iter().product()];
+    let mut dk = vec![T::default(); dk_shape.iter().product()];
+    let mut dv = vec![T::default(); dv_shape.iter().product()];
+    cpu::backward_into(
+        &g,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        &mut TensorMut::new(&mut dq, &dq_shape),
+        &mut TensorMut::new(&mut dk, &dk_shape),
+        &mut TensorMut::new(&mut dv, &dv_shape),
+    )?;
+    Ok(Gradients { dq, dq_shape, dk, dk_shape, dv, dv_shape })
+}
+
+/// Attention backward on the CPU into caller-provided (possibly strided) `dq`, `dk`, `dv`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_into<T: Element>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &Tensor<'_, T>,
+    lse: &[f32],
+    dout: &Tensor<'_, T>,
+    dq: &mut TensorMut<'_, T>,
+    dk: &mut TensorMut<'_, T>,
+    dv: &mut TensorMut<'_, T>,
+) -> Result<()> {
+    let g = Geometry::new(spec, q, k, v)?;
+    cpu::backward_into(&g, q, k, v, out, lse, dout, dq, dk, dv)
+}
+
+/// What the backward pass needs from a training forward: `out`, `lse` and the dropout setting
+/// (seed and offset) that generated the keep mask.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Saved<T> {
+    /// The forward's output and log-sum-exp.
+    pub output: Output<T>,
+    /// The dropout the forward applied, if any.
+    pub dropout: Option<Dropout>,
+}
+
+/// A training forward on the CPU: [`forward`], keeping what [`Saved::backward`] needs.
+pub fn forward_train<T: Element>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+) -> Result<Saved<T>> {
+    Ok(Saved { output: forward(spec, q, k, v)?, dropout: spec.dropout_setting() })
+}
+
+impl<T: Element> Saved<T> {
+    /// The backward pass of the forward that produced `self`, for the same `spec`, `q`, `k`, `v`.
+    ///
+    /// A spec whose dropout differs from the forward's is an error: the keep mask could not be
+    /// regenerated.
+    pub fn backward(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &Tensor<'_, T>,
+        k: &Tensor<'_, T>,
+        v: &Tensor<'_, T>,
+        dout: &Tensor<'_, T>,
+    ) -> Result<Gradients<T>> {
+        if spec.dropout_setting() != self.dropout {
+            return Err(Error::Mismatch(format!(
+                "the spec's dropout {:?} differs from the {:?} the forward pass used",
+                spec.dropout_setting(),
+                self.dropout
+            )));
+        }
+        let out = Tensor::new(&self.output.out, &self.output.out_shape);
+        backward(spec, q, k, v, &out, &self.output.lse, dout)
+    }
 }

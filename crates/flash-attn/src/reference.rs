@@ -11,7 +11,8 @@
 
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::spec::{AttentionSpec, Geometry};
+use crate::philox::DropoutRng;
+use crate::spec::{AttentionSpec, Geometry, RowLayout, Sequence};
 use crate::tensor::Tensor;
 
 /// Outputs of the oracle in the contiguous layouts of DESIGN §2, widened to `f64`.
@@ -71,6 +72,18 @@ macro_rules! impl_real {
 impl_real!(f32);
 impl_real!(f64);
 
+/// Gradients from the oracle, in the contiguous layouts of `q`, `k`, `v` (DESIGN §2), widened to
+/// `f64`.
+#[derive(Debug, Clone)]
+pub struct ReferenceGrads {
+    /// Like `q`: `[b, sq, hq, d]` or `[tq, hq, d]`.
+    pub dq: Vec<f64>,
+    /// Like `k`: `[b, sk, hk, d]` or `[tk, hk, d]`.
+    pub dk: Vec<f64>,
+    /// Like `v`: `[b, sk, hk, dv]` or `[tk, hk, dv]`.
+    pub dv: Vec<f64>,
+}
+
 /// Algorithm 0 in `f64`: the truth.
 pub fn forward<T: Element>(
     spec: &AttentionSpec<'_>,
@@ -79,7 +92,7 @@ pub fn forward<T: Element>(
     v: &Tensor<'_, T>,
 ) -> Result<Reference> {
     let g = Geometry::new(spec, q, k, v)?;
-    Ok(algorithm0::<f64, T>(&g, q.data(), k.data(), v.data(), |x| x))
+    Ok(Oracle::<f64, T> { g: &g, q: q.data(), k: k.data(), v: v.data(), round: |x| x }.forward())
 }
 
 /// Algorithm 0 in the input dtype with `f32` accumulation (`naive_T` of the numerics contract).
@@ -90,75 +103,233 @@ pub fn naive<T: Element>(
     v: &Tensor<'_, T>,
 ) -> Result<Reference> {
     let g = Geometry::new(spec, q, k, v)?;
-    Ok(algorithm0::<f32, T>(&g, q.data(), k.data(), v.data(), |x| T::from_f32(x).to_f32()))
+    Ok(Oracle::<f32, T> { g: &g, q: q.data(), k: k.data(), v: v.data(), round: round_to::<T> }.forward())
 }
 
-/// Algorithm 0, materialising `S` and `P` per `(sequence, head)`. `round` models storing an
-/// intermediate in the input dtype (identity for the `f64` oracle).
-fn algorithm0<R: Real, T: Element>(g: &Geometry<'_>, q: &[T], k: &[T], v: &[T], round: impl Fn(R) -> R) -> Reference {
-    let mut out = vec![0.0f64; g.total_q * g.hq * g.dv];
-    // Rows that meet no key (fully masked, or varlen tokens after the last sequence) keep these.
-    let mut lse = vec![f64::NEG_INFINITY; g.lse_len()];
-    let scale = R::from_f32(g.scale);
-    let cap = g.softcap.map(R::from_f32);
-    for seq in &g.seqs {
+/// The backward pass of Algorithm 0 in `f64`: explicit chain rule through `S` and `P`.
+/// `dout` has the shape of `out` (any strides).
+pub fn backward<T: Element>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    dout: &Tensor<'_, T>,
+) -> Result<ReferenceGrads> {
+    let g = Geometry::new(spec, q, k, v)?;
+    let dout = g.check_grad_input(dout)?;
+    Ok(Oracle::<f64, T> { g: &g, q: q.data(), k: k.data(), v: v.data(), round: |x| x }.backward(dout))
+}
+
+/// The backward pass of Algorithm 0 in the input dtype with `f32` accumulation (`naive_T`).
+pub fn naive_backward<T: Element>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    dout: &Tensor<'_, T>,
+) -> Result<ReferenceGrads> {
+    let g = Geometry::new(spec, q, k, v)?;
+    let dout = g.check_grad_input(dout)?;
+    Ok(Oracle::<f32, T> { g: &g, q: q.data(), k: k.data(), v: v.data(), round: round_to::<T> }.backward(dout))
+}
+
+fn round_to<T: Element>(x: f32) -> f32 {
+    T::from_f32(x).to_f32()
+}
+
+/// One instance of Algorithm 0: arithmetic `R`, inputs `T`, and `round` modelling an intermediate
+/// stored in the input dtype (identity for the `f64` oracle).
+struct Oracle<'g, 'a, R, T> {
+    g: &'g Geometry<'a>,
+    q: &'g [T],
+    k: &'g [T],
+    v: &'g [T],
+    round: fn(R) -> R,
+}
+
+/// `S` and `P` of one `(sequence, head)`, materialised.
+struct Probs<R> {
+    /// `P = softmax(S)`, `sq × sk`, before dropout.
+    p: Vec<R>,
+    /// Dropout factor `keep / (1 - p)` per element (empty without dropout).
+    keep: Vec<R>,
+    /// `tanh(s / c)` per element, for the softcap derivative (empty without softcap).
+    tanh: Vec<R>,
+    /// Row log-sum-exps; `-inf` for rows that see no key.
+    lse: Vec<f64>,
+}
+
+impl<R: Real, T: Element> Oracle<'_, '_, R, T> {
+    fn x(data: &[T], i: usize) -> R {
+        R::from_f32(data[i].to_f32())
+    }
+
+    /// DESIGN §2 steps 1-5 for query head `h` of `seq`.
+    fn probs(&self, seq: &Sequence, h: usize) -> Probs<R> {
+        let (g, round) = (self.g, &self.round);
         let (sq, sk) = (seq.sq, seq.sk);
         let off = seq.offset();
-        let mut s = vec![R::ZERO; sq * sk];
-        for h in 0..g.hq {
-            let hk = g.kv_head(h);
-            let vis = g.visibility(seq, h);
-            let slope = g.alibi_slope(seq, h).map(R::from_f32);
-            // S = scale · Q Kᵀ, softcap, ALiBi, mask (DESIGN §2, steps 1-4).
-            for i in 0..sq {
-                let qi = g.q.row(seq, seq.q_start, i, h);
-                for j in 0..sk {
-                    let kj = g.k.row(seq, seq.k_start, j, hk);
-                    let mut dot = R::ZERO;
-                    for x in 0..g.d {
-                        dot = dot + R::from_f32(q[qi + x].to_f32()) * R::from_f32(k[kj + x].to_f32());
-                    }
-                    let mut sij = round(scale * dot);
-                    if let Some(c) = cap {
-                        sij = c * (sij / c).tanh();
-                    }
-                    if let Some(m) = slope {
-                        let dist = R::from_f32((i as i64 + off - j as i64).unsigned_abs() as f32);
-                        sij = sij - m * dist;
-                    }
-                    s[i * sk + j] = if vis.visible(i, j) { sij } else { R::NEG_INF };
+        let hk = g.kv_head(h);
+        let vis = g.visibility(seq, h);
+        let scale = R::from_f32(g.scale);
+        let cap = g.softcap.map(R::from_f32);
+        let slope = g.alibi_slope(seq, h).map(R::from_f32);
+        let mut p = vec![R::ZERO; sq * sk];
+        let mut tanh = Vec::new();
+        // S = scale · Q Kᵀ, softcap, ALiBi, mask (steps 1-4).
+        for i in 0..sq {
+            let qi = g.q.row(seq, seq.q_start, i, h);
+            for j in 0..sk {
+                let kj = g.k.row(seq, seq.k_start, j, hk);
+                let mut dot = R::ZERO;
+                for x in 0..g.d {
+                    dot = dot + Self::x(self.q, qi + x) * Self::x(self.k, kj + x);
                 }
+                let mut sij = round(scale * dot);
+                if let Some(c) = cap {
+                    let t = (sij / c).tanh();
+                    tanh.push(t);
+                    sij = c * t;
+                }
+                if let Some(m) = slope {
+                    let dist = R::from_f32((i as i64 + off - j as i64).unsigned_abs() as f32);
+                    sij = sij - m * dist;
+                }
+                p[i * sk + j] = if vis.visible(i, j) { sij } else { R::NEG_INF };
             }
-            // P = softmax(S) row by row (step 5), then O = P V (step 7); P overwrites S.
-            for i in 0..sq {
-                let row = &mut s[i * sk..(i + 1) * sk];
-                let m = row.iter().fold(R::NEG_INF, |a, &b| a.max(b));
-                let li = g.lse_index(seq, h, i);
-                let oi = (g.q_token(seq, i) * g.hq + h) * g.dv;
-                if m == R::NEG_INF {
-                    continue; // no visible key: out = 0, lse = -inf
-                }
-                let mut sum = R::ZERO;
-                for p in row.iter_mut() {
-                    *p = (*p - m).exp();
-                    sum = sum + *p;
-                }
-                lse[li] = (m + sum.ln()).to_f64();
-                for p in row.iter_mut() {
-                    *p = round(*p / sum);
-                }
-                for x in 0..g.dv {
-                    let mut acc = R::ZERO;
-                    for (j, &p) in row.iter().enumerate() {
-                        let vj = g.v.row(seq, seq.k_start, j, hk);
-                        acc = acc + p * R::from_f32(v[vj + x].to_f32());
+        }
+        // P = softmax(S) row by row (step 5); P overwrites S.
+        let mut lse = vec![f64::NEG_INFINITY; sq];
+        for (i, row) in p.chunks_mut(sk.max(1)).take(sq).enumerate() {
+            let m = row.iter().fold(R::NEG_INF, |a, &b| a.max(b));
+            if m == R::NEG_INF {
+                row.fill(R::ZERO); // no visible key: P = 0, lse = -inf
+                continue;
+            }
+            let mut sum = R::ZERO;
+            for x in row.iter_mut() {
+                *x = (*x - m).exp();
+                sum = sum + *x;
+            }
+            lse[i] = (m + sum.ln()).to_f64();
+            for x in row.iter_mut() {
+                *x = round(*x / sum);
+            }
+        }
+        // Dropout factors (step 6), from the same Philox stream as every backend.
+        let keep = match g.dropout {
+            None => Vec::new(),
+            Some(dr) => {
+                let rng = DropoutRng::new(dr.p, dr.seed, dr.offset);
+                let kept = R::from_f32(rng.scale());
+                let mut keep = Vec::with_capacity(sq * sk);
+                for i in 0..sq {
+                    for j in 0..sk {
+                        let on = rng.keep(seq.batch as u32, h as u32, g.hq as u32, i as u32, j as u32);
+                        keep.push(if on { kept } else { R::ZERO });
                     }
-                    out[oi + x] = round(acc).to_f64();
+                }
+                keep
+            }
+        };
+        Probs { p, keep, tanh, lse }
+    }
+
+    /// `P'` of element `e`: the probability after dropout, as stored in the dtype.
+    fn dropped(&self, pr: &Probs<R>, e: usize) -> R {
+        match pr.keep.get(e) {
+            Some(&f) => (self.round)(pr.p[e] * f),
+            None => pr.p[e],
+        }
+    }
+
+    fn forward(&self) -> Reference {
+        let g = self.g;
+        let mut out = vec![0.0f64; g.total_q * g.hq * g.dv];
+        // Rows that meet no key (fully masked, or varlen tokens after the last sequence) keep -inf.
+        let mut lse = vec![f64::NEG_INFINITY; g.lse_len()];
+        for seq in &g.seqs {
+            for h in 0..g.hq {
+                let pr = self.probs(seq, h);
+                let hk = g.kv_head(h);
+                for i in 0..seq.sq {
+                    lse[g.lse_index(seq, h, i)] = pr.lse[i];
+                    let oi = (g.q_token(seq, i) * g.hq + h) * g.dv;
+                    // O = P' V (step 7).
+                    for x in 0..g.dv {
+                        let mut acc = R::ZERO;
+                        for j in 0..seq.sk {
+                            let vj = g.v.row(seq, seq.k_start, j, hk);
+                            acc = acc + self.dropped(&pr, i * seq.sk + j) * Self::x(self.v, vj + x);
+                        }
+                        out[oi + x] = (self.round)(acc).to_f64();
+                    }
                 }
             }
         }
+        Reference { out, lse }
     }
-    Reference { out, lse }
+
+    fn backward(&self, dout: (&[T], RowLayout)) -> ReferenceGrads {
+        let g = self.g;
+        let (d, dv) = (g.d, g.dv);
+        let (dout, dl) = dout;
+        let mut dq = vec![R::ZERO; g.total_q * g.hq * d];
+        let mut dk = vec![R::ZERO; g.total_k * g.hk * d];
+        let mut dvv = vec![R::ZERO; g.total_k * g.hk * dv];
+        let scale = R::from_f32(g.scale);
+        for seq in &g.seqs {
+            let (sq, sk) = (seq.sq, seq.sk);
+            for h in 0..g.hq {
+                let pr = self.probs(seq, h);
+                let hk = g.kv_head(h);
+                for i in 0..sq {
+                    let oi = dl.row(seq, seq.q_start, i, h);
+                    // dP' = dO Vᵀ, dP = dP' ∘ keep / (1 - p)
+                    let mut dp = vec![R::ZERO; sk];
+                    for (j, dpj) in dp.iter_mut().enumerate() {
+                        let vj = g.v.row(seq, seq.k_start, j, hk);
+                        let mut acc = R::ZERO;
+                        for x in 0..dv {
+                            acc = acc + Self::x(dout, oi + x) * Self::x(self.v, vj + x);
+                        }
+                        *dpj = (self.round)(acc);
+                        if let Some(&f) = pr.keep.get(i * sk + j) {
+                            *dpj = *dpj * f;
+                        }
+                    }
+                    // Softmax Jacobian: dS = P ∘ (dP - Σ_j P dP).
+                    let row = &pr.p[i * sk..(i + 1) * sk];
+                    let dsum = row.iter().zip(&dp).fold(R::ZERO, |a, (&p, &dpj)| a + p * dpj);
+                    let qt = g.q_token(seq, i);
+                    for j in 0..sk {
+                        let e = i * sk + j;
+                        let pd = self.dropped(&pr, e);
+                        let kt = g.k_token(seq, j);
+                        // dV_j += P'_ij dO_i
+                        for x in 0..dv {
+                            let t = (kt * g.hk + hk) * dv + x;
+                            dvv[t] = dvv[t] + pd * Self::x(dout, oi + x);
+                        }
+                        let mut ds = (self.round)(row[j] * (dp[j] - dsum));
+                        if let Some(&t) = pr.tanh.get(e) {
+                            ds = ds * (R::from_f32(1.0) - t * t); // d(c·tanh(x/c))/dx
+                        }
+                        let ds = ds * scale;
+                        let (qi, kj) = (g.q.row(seq, seq.q_start, i, h), g.k.row(seq, seq.k_start, j, hk));
+                        for x in 0..d {
+                            let a = (qt * g.hq + h) * d + x;
+                            dq[a] = dq[a] + ds * Self::x(self.k, kj + x);
+                            let b = (kt * g.hk + hk) * d + x;
+                            dk[b] = dk[b] + ds * Self::x(self.q, qi + x);
+                        }
+                    }
+                }
+            }
+        }
+        let widen = |v: Vec<R>| v.into_iter().map(|x| (self.round)(x).to_f64()).collect();
+        ReferenceGrads { dq: widen(dq), dk: widen(dk), dv: widen(dvv) }
+    }
 }
 
 #[cfg(test)]

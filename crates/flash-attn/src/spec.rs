@@ -29,6 +29,19 @@ pub struct BlockMask<'a> {
     pub block_k: usize,
 }
 
+/// Attention dropout (training): each probability is kept with probability `1 - p` and scaled by
+/// `1 / (1 - p)`; the keep mask comes from Philox4x32-10 keyed by `seed`, with `offset` in the
+/// counter (see [`crate::philox`]), so the backward pass regenerates it instead of storing it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dropout {
+    /// Probability of dropping, in `[0, 1)`.
+    pub p: f32,
+    /// Philox key.
+    pub seed: u64,
+    /// Philox counter offset: use a new one for every dropout call made with the same seed.
+    pub offset: u32,
+}
+
 /// How attention is computed: scale, masks, score modifiers and the batch layout.
 ///
 /// Built with chained setters; nothing is checked until it meets the tensors in
@@ -49,6 +62,7 @@ pub struct AttentionSpec<'a> {
     pub(crate) alibi: Option<Tensor<'a, f32>>,
     pub(crate) block_mask: Option<BlockMask<'a>>,
     pub(crate) varlen: Option<(&'a [i32], &'a [i32])>,
+    pub(crate) dropout: Option<Dropout>,
 }
 
 impl<'a> AttentionSpec<'a> {
@@ -120,6 +134,18 @@ impl<'a> AttentionSpec<'a> {
     pub fn varlen(mut self, cu_seqlens_q: &'a [i32], cu_seqlens_k: &'a [i32]) -> Self {
         self.varlen = Some((cu_seqlens_q, cu_seqlens_k));
         self
+    }
+
+    /// Attention dropout with probability `p` (training), keyed by `seed` and `offset`.
+    #[must_use]
+    pub fn dropout(mut self, p: f32, seed: u64, offset: u32) -> Self {
+        self.dropout = Some(Dropout { p, seed, offset });
+        self
+    }
+
+    /// The dropout setting, if any.
+    pub fn dropout_setting(&self) -> Option<Dropout> {
+        self.dropout
     }
 
     /// Whether the batch is packed with `cu_seqlens`.
@@ -229,12 +255,16 @@ pub struct Geometry<'a> {
     pub causal: Causal,
     /// Window `(left, right)`, `-1` unbounded.
     pub window: Option<(i64, i64)>,
+    /// Dropout in effect (`None` when absent or `p = 0`).
+    pub dropout: Option<Dropout>,
     /// Whether the batch is packed.
     pub varlen: bool,
     /// The sequences.
     pub seqs: Vec<Sequence>,
     /// Query tokens in the token dimension of `q`/`out` (`b·sq` or `tq`).
     pub total_q: usize,
+    /// Key tokens in the token dimension of `k`/`v` (`b·sk` or `tk`).
+    pub total_k: usize,
     /// Longest query sequence (`sq` for fixed length).
     pub max_sq: usize,
     /// Longest key sequence.
@@ -311,7 +341,7 @@ impl<'a> Geometry<'a> {
         }
 
         let seqs: Vec<Sequence>;
-        let total_q;
+        let (total_q, total_k);
         if let Some((cu_q, cu_k)) = spec.varlen {
             let batch = cu_q.len().saturating_sub(1);
             if cu_q.is_empty() {
@@ -332,6 +362,7 @@ impl<'a> Geometry<'a> {
                 })
                 .collect();
             total_q = qs[0];
+            total_k = ks[0];
         } else {
             let (b, sq, sk) = (qs[0], qs[1], ks[1]);
             if ks[0] != b || vs[0] != b {
@@ -339,6 +370,7 @@ impl<'a> Geometry<'a> {
             }
             seqs = (0..b).map(|b| Sequence { batch: b, q_start: 0, sq, k_start: 0, sk }).collect();
             total_q = b * sq;
+            total_k = b * sk;
         }
         let batch = seqs.len();
         let max_sq = seqs.iter().map(|s| s.sq).max().unwrap_or(0);
@@ -351,6 +383,11 @@ impl<'a> Geometry<'a> {
         if let Some(c) = spec.softcap {
             if !(c.is_finite() && c > 0.0) {
                 return Err(Error::Softcap(c));
+            }
+        }
+        if let Some(dr) = spec.dropout {
+            if !(dr.p.is_finite() && (0.0..1.0).contains(&dr.p)) {
+                return Err(Error::Dropout(dr.p));
             }
         }
         if let Some((left, right)) = spec.window {
@@ -378,9 +415,11 @@ impl<'a> Geometry<'a> {
             softcap: spec.softcap,
             causal: spec.causal,
             window: spec.window,
+            dropout: spec.dropout.filter(|d| d.p > 0.0),
             varlen,
             seqs,
             total_q,
+            total_k,
             max_sq,
             max_sk,
             q: RowLayout::from_strides(q.strides(), varlen),
@@ -393,11 +432,7 @@ impl<'a> Geometry<'a> {
 
     /// Shape `out` must have: `[b, sq, hq, dv]` or `[tq, hq, dv]`.
     pub fn out_shape(&self) -> Vec<usize> {
-        if self.varlen {
-            vec![self.total_q, self.hq, self.dv]
-        } else {
-            vec![self.batch, self.max_sq, self.hq, self.dv]
-        }
+        self.q_shape(self.dv)
     }
 
     /// Shape of `lse`: `[b, hq, sq]` or `[hq, tq]`.
@@ -435,24 +470,102 @@ impl<'a> Geometry<'a> {
         }
     }
 
+    /// Index of key `j` of `seq` in the token dimension of a contiguous `k`/`v`
+    /// (`b·sk` or `tk` entries).
+    #[inline]
+    pub fn k_token(&self, seq: &Sequence, j: usize) -> usize {
+        if self.varlen {
+            seq.k_start + j
+        } else {
+            seq.batch * self.max_sk + j
+        }
+    }
+
     /// The key/value head read by query head `h` (GQA/MQA).
     #[inline]
     pub fn kv_head(&self, h: usize) -> usize {
         h / (self.hq / self.hk)
     }
 
-    /// Validates the output view and returns its layout.
+    /// Shape of a per-query tensor with head dim `dim` (`q`, `out`, `dout`, `dq`).
+    pub fn q_shape(&self, dim: usize) -> Vec<usize> {
+        if self.varlen {
+            vec![self.total_q, self.hq, dim]
+        } else {
+            vec![self.batch, self.max_sq, self.hq, dim]
+        }
+    }
+
+    /// Shape of a per-key tensor with head dim `dim` (`k`, `v`, `dk`, `dv`).
+    pub fn k_shape(&self, dim: usize) -> Vec<usize> {
+        if self.varlen {
+            vec![self.total_k, self.hk, dim]
+        } else {
+            vec![self.batch, self.max_sk, self.hk, dim]
+        }
+    }
+
+    fn rank_layout(&self, per_query: bool) -> (usize, &'static str) {
+        match (self.varlen, per_query) {
+            (true, true) => (3, "[tq, hq, dim]"),
+            (true, false) => (3, "[tk, hk, dim]"),
+            (false, true) => (4, "[b, sq, hq, dim]"),
+            (false, false) => (4, "[b, sk, hk, dim]"),
+        }
+    }
+
+    /// Checks an extra input (`out`, `dout` of the backward pass) against `want` and returns its
+    /// layout.
+    pub(crate) fn check_input_like<T>(
+        &self,
+        name: &'static str,
+        t: &Tensor<'_, T>,
+        want: &[usize],
+        per_query: bool,
+    ) -> Result<RowLayout> {
+        let (rank, layout) = self.rank_layout(per_query);
+        t.check(name, layout, rank)?;
+        if t.shape() != want {
+            return Err(shape_err(format!("`{name}` has shape {:?}, expected {want:?}", t.shape())));
+        }
+        Ok(RowLayout::from_strides(t.strides(), self.varlen))
+    }
+
+    /// Checks an output view (`out`, `dq`, `dk`, `dv`) against `want` and returns its layout.
+    pub(crate) fn check_output_like<T>(
+        &self,
+        name: &'static str,
+        t: &TensorMut<'_, T>,
+        want: &[usize],
+        per_query: bool,
+    ) -> Result<RowLayout> {
+        let (rank, layout) = self.rank_layout(per_query);
+        t.check(name, layout, rank)?;
+        if t.shape() != want {
+            return Err(shape_err(format!("`{name}` has shape {:?}, expected {want:?}", t.shape())));
+        }
+        Ok(RowLayout::from_strides(t.strides(), self.varlen))
+    }
+
+    /// Checks `lse` has one entry per (query head, query).
+    pub(crate) fn check_lse_len(&self, len: usize) -> Result<()> {
+        if len != self.lse_len() {
+            return Err(Error::BufferLength { tensor: "lse", expected: self.lse_len(), got: len });
+        }
+        Ok(())
+    }
+
+    /// Validates the output view and `lse`, and returns the output's layout.
     pub(crate) fn check_out<T>(&self, out: &TensorMut<'_, T>, lse: &[f32]) -> Result<RowLayout> {
-        let (rank, layout) = if self.varlen { (3, "[tq, hq, dv]") } else { (4, "[b, sq, hq, dv]") };
-        out.check("out", layout, rank)?;
-        let want = self.out_shape();
-        if out.shape() != want.as_slice() {
-            return Err(shape_err(format!("`out` has shape {:?}, expected {:?}", out.shape(), want)));
-        }
-        if lse.len() != self.lse_len() {
-            return Err(Error::BufferLength { tensor: "lse", expected: self.lse_len(), got: lse.len() });
-        }
-        Ok(RowLayout::from_strides(out.strides(), self.varlen))
+        let layout = self.check_output_like("out", out, &self.q_shape(self.dv), true)?;
+        self.check_lse_len(lse.len())?;
+        Ok(layout)
+    }
+
+    /// Validates `dout` (shape of `out`) for the oracle's backward.
+    pub(crate) fn check_grad_input<'t, T>(&self, dout: &Tensor<'t, T>) -> Result<(&'t [T], RowLayout)> {
+        let layout = self.check_input_like("dout", dout, &self.q_shape(self.dv), true)?;
+        Ok((dout.data(), layout))
     }
 
     /// ALiBi slope of `(sequence, head)`, if ALiBi is on.

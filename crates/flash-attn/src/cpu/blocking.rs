@@ -21,15 +21,25 @@ pub struct Tiles {
 /// Tile sizes for head dims `d`, `dv`, given the longest query sequence and the number of
 /// `(sequence, head)` pairs to spread over `threads`.
 pub fn tiles(d: usize, dv: usize, max_sq: usize, pairs: usize, threads: usize) -> Tiles {
-    // Key/value tile: as wide as the budget allows, a multiple of 16, between 16 and 128.
-    let kv_row_bytes = 4 * (d + dv);
-    let bc = (L2_BUDGET / 2 / kv_row_bytes).clamp(16, 128) / 16 * 16;
     // Query tile: 64 rows, fewer when the batch is too small to give every thread a few tiles.
     let mut br = 64;
     while br > 16 && pairs * max_sq.div_ceil(br) < 4 * threads {
         br /= 2;
     }
-    Tiles { br: br.min(max_sq.max(1)), bc }
+    Tiles { br: br.min(max_sq.max(1)), bc: kv_tile(d, dv) }
+}
+
+/// Tile sizes of the backward pass. They depend on the head dims only — not on the thread count
+/// — because the backward pass promises bitwise identical results on any number of threads.
+pub fn backward_tiles(d: usize, dv: usize) -> Tiles {
+    Tiles { br: 64, bc: kv_tile(d, dv) }
+}
+
+/// Key/value tile width: as wide as the budget allows, a multiple of 16, between 16 and 128.
+/// Depends on the head dims only, so that every query row meets the same key tiles.
+fn kv_tile(d: usize, dv: usize) -> usize {
+    let kv_row_bytes = 4 * (d + dv);
+    (L2_BUDGET / 2 / kv_row_bytes).clamp(16, 128) / 16 * 16
 }
 
 #[cfg(test)]

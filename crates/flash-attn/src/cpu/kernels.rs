@@ -77,6 +77,20 @@ pub fn accumulate_pv(p: &[f32], v: &[f32], o: &mut [f32], rows: usize, cols: usi
     }
 }
 
+/// `C[c] += Σ_r A[r][c] · B[r]` (`C += Aᵀ B`) for a `rows × cols` tile `A` (rows stride `ld_a`);
+/// `b` and `c` rows have stride `n`. Rows are folded in ascending order, so the result for a key
+/// does not depend on how queries are grouped into tiles. Zero entries of `A` are skipped.
+pub fn accumulate_atb(a: &[f32], b: &[f32], c: &mut [f32], rows: usize, cols: usize, n: usize, ld_a: usize) {
+    for r in 0..rows {
+        let br = &b[r * n..(r + 1) * n];
+        for (col, &arc) in a[r * ld_a..r * ld_a + cols].iter().enumerate() {
+            if arc != 0.0 {
+                axpy(&mut c[col * n..(col + 1) * n], arc, br);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,10 +5,12 @@
 //! [`blocking`] decides the tile sizes, [`forward`] is the per-tile loop of Algorithm 1, and
 //! [`kernels`] / [`softmax`] are the inner loops it calls.
 
+mod backward;
 pub(crate) mod blocking;
 mod forward;
 pub(crate) mod kernels;
 mod softmax;
+mod tile;
 
 use rayon::prelude::*;
 
@@ -36,6 +38,18 @@ unsafe impl<T: Send> Send for Sink<T> {}
 impl<T> Sink<T> {
     fn new(buf: &mut [T]) -> Self {
         Self { ptr: buf.as_mut_ptr(), len: buf.len() }
+    }
+
+    /// The `len` elements from `start`, as a slice.
+    ///
+    /// # Safety
+    /// `start + len <= self.len`, and no other thread touches these elements while the slice lives.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, start: usize, len: usize) -> &mut [T] {
+        debug_assert!(start + len <= self.len);
+        // SAFETY: in bounds and exclusively owned by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
     }
 
     /// Writes `value` at `idx`.
@@ -86,11 +100,7 @@ pub fn forward_into_tiled<T: Element>(
     lse: &mut [f32],
     tiles: Tiles,
 ) -> Result<()> {
-    for (tensor, dim) in [("q", g.d), ("v", g.dv)] {
-        if dim > MAX_HEAD_DIM {
-            return Err(Error::HeadDim { tensor, dim, backend: "cpu", min: 1, max: MAX_HEAD_DIM });
-        }
-    }
+    check_head_dims(g)?;
     if tiles.br == 0 || tiles.bc == 0 {
         return Err(Error::Unsupported(format!("tile sizes must be positive, got {tiles:?}")));
     }
@@ -126,6 +136,118 @@ pub fn forward_into_tiled<T: Element>(
         .par_iter()
         .for_each_init(|| forward::Scratch::new(g, tiles), |scratch, w| ctx.query_tile(scratch, w.seq, w.head, w.tile));
     Ok(())
+}
+
+fn check_head_dims(g: &Geometry<'_>) -> Result<()> {
+    for (tensor, dim) in [("q", g.d), ("v", g.dv)] {
+        if dim > MAX_HEAD_DIM {
+            return Err(Error::HeadDim { tensor, dim, backend: "cpu", min: 1, max: MAX_HEAD_DIM });
+        }
+    }
+    Ok(())
+}
+
+/// Backward pass into caller-provided gradients (see [`crate::backward_into`]): `dq`, `dk`, `dv`
+/// from `q, k, v`, the forward's `out` and `lse`, and `dout`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_into<T: Element>(
+    g: &Geometry<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &Tensor<'_, T>,
+    lse: &[f32],
+    dout: &Tensor<'_, T>,
+    dq: &mut TensorMut<'_, T>,
+    dk: &mut TensorMut<'_, T>,
+    dv: &mut TensorMut<'_, T>,
+) -> Result<()> {
+    check_head_dims(g)?;
+    let out_layout = g.check_input_like("out", out, &g.q_shape(g.dv), true)?;
+    let dout_layout = g.check_input_like("dout", dout, &g.q_shape(g.dv), true)?;
+    g.check_lse_len(lse.len())?;
+    let dq_layout = g.check_output_like("dq", dq, &g.q_shape(g.d), true)?;
+    let dk_layout = g.check_output_like("dk", dk, &g.k_shape(g.d), false)?;
+    let dv_layout = g.check_output_like("dv", dv, &g.k_shape(g.dv), false)?;
+
+    let tiles = blocking::backward_tiles(g.d, g.dv);
+    let chunks = backward::chunks(g, tiles.bc);
+    // D = rowsum(dO ∘ O): one pass before the main loop (FA2 Algorithm 2, line 4).
+    let delta = backward::row_deltas(g, (out.data(), out_layout), (dout.data(), dout_layout));
+    // The f32 dQ accumulator (one partial per chunk) and D: the only extra memory that grows with
+    // the sequence length.
+    let mut dq_acc = vec![0.0f32; chunks * g.hq * g.total_q * g.d];
+
+    fill_uncovered_keys(g, dk, dk_layout, dv, dv_layout);
+    let dq_acc_sink = Sink::new(&mut dq_acc);
+    let (dk_sink, dv_sink) = (Sink::new(dk.data_mut()), Sink::new(dv.data_mut()));
+    let ctx = backward::Context {
+        g,
+        q: q.data(),
+        k: k.data(),
+        v: v.data(),
+        dout: dout.data(),
+        dout_layout,
+        lse,
+        delta: &delta,
+        dq_acc: &dq_acc_sink,
+        dk: &dk_sink,
+        dk_layout,
+        dv: &dv_sink,
+        dv_layout,
+        tiles,
+        chunks,
+    };
+    let mut units = Vec::new();
+    for s in 0..g.seqs.len() {
+        for kv_head in 0..g.hk {
+            for chunk in 0..chunks {
+                units.push((s, kv_head, chunk));
+            }
+        }
+    }
+    units.par_iter().for_each_init(
+        || backward::Scratch::new(g, tiles),
+        |sc, &(s, kv_head, chunk)| ctx.kv_unit(sc, s, kv_head, chunk),
+    );
+
+    // dQ = Σ over chunks, in chunk order, rounded once.
+    let dq_sink = Sink::new(dq.data_mut());
+    let (hq, d, total_q) = (g.hq, g.d, g.total_q);
+    (0..total_q).into_par_iter().for_each(|t| {
+        for h in 0..hq {
+            let at = t * dq_layout.token_stride + h * dq_layout.head_stride;
+            for x in 0..d {
+                let sum = (0..chunks).fold(0.0f32, |acc, c| acc + dq_acc[((c * hq + h) * total_q + t) * d + x]);
+                // SAFETY: token t is written by this iteration alone; `dq` was validated in
+                // bounds and non-overlapping.
+                unsafe { dq_sink.write(at + x, T::from_f32(sum)) };
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Varlen keys after the last sequence are seen by no query: their gradients are zero.
+fn fill_uncovered_keys<T: Element>(
+    g: &Geometry<'_>,
+    dk: &mut TensorMut<'_, T>,
+    dk_layout: RowLayout,
+    dv: &mut TensorMut<'_, T>,
+    dv_layout: RowLayout,
+) {
+    let covered = g.seqs.last().map_or(0, |s| s.k_start + s.sk);
+    if !g.varlen || covered >= g.total_k {
+        return;
+    }
+    for (data, layout, dim) in [(dk.data_mut(), dk_layout, g.d), (dv.data_mut(), dv_layout, g.dv)] {
+        for t in covered..g.total_k {
+            for h in 0..g.hk {
+                let row = t * layout.token_stride + h * layout.head_stride;
+                data[row..row + dim].fill(T::default());
+            }
+        }
+    }
 }
 
 /// Varlen tokens after the last sequence belong to no sequence: they see no key, so `out = 0`

@@ -1,0 +1,108 @@
+//! Per-tile steps shared by the forward and backward loops: loading rows, and turning `Q_i K_jᵀ`
+//! into the base-2 scores of DESIGN §2 steps 1-4.
+
+use std::f32::consts::LOG2_E;
+use std::ops::Range;
+
+use super::kernels;
+use crate::dtype::Element;
+use crate::mask::{TileClass, Visibility};
+use crate::spec::{Geometry, RowLayout, Sequence};
+
+/// How raw dot products become base-2 scores (`log2 e` folded in, so softmax uses `exp2`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ScoreMod {
+    /// Multiplies `q` when it is loaded: `scale · log2 e`, or `scale / c` with a softcap.
+    pub q_mult: f32,
+    /// Softcap: `s = cap2 · tanh(q_loaded · k)` with `cap2 = c · log2 e`.
+    cap2: Option<f32>,
+    /// ALiBi slope in base-2 units.
+    slope2: Option<f32>,
+    /// `sk - sq` of the sequence.
+    off: i64,
+}
+
+impl ScoreMod {
+    pub fn new(g: &Geometry<'_>, seq: &Sequence, head: usize) -> Self {
+        let (q_mult, cap2) = match g.softcap {
+            Some(c) => (g.scale / c, Some(c * LOG2_E)),
+            None => (g.scale * LOG2_E, None),
+        };
+        ScoreMod { q_mult, cap2, slope2: g.alibi_slope(seq, head).map(|m| m * LOG2_E), off: seq.offset() }
+    }
+
+    /// Whether a softcap is applied (the backward pass then needs `tanh` of each score).
+    pub fn has_softcap(&self) -> bool {
+        self.cap2.is_some()
+    }
+}
+
+/// Copies rows `rows` of head `head` (tokens from `start`) into `dst` (row stride `dim`), widened
+/// to `f32` and multiplied by `mult`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_rows<T: Element>(
+    dst: &mut [f32],
+    src: &[T],
+    layout: RowLayout,
+    seq: &Sequence,
+    start: usize,
+    rows: Range<usize>,
+    head: usize,
+    dim: usize,
+    mult: f32,
+) {
+    for (r, i) in rows.enumerate() {
+        let at = layout.row(seq, start, i, head);
+        for (d, x) in dst[r * dim..(r + 1) * dim].iter_mut().zip(&src[at..at + dim]) {
+            *d = x.to_f32() * mult;
+        }
+    }
+}
+
+/// The score tile of `rows × cols` (rows of stride `ld` in `s`): `S = Q Kᵀ` from loaded tiles,
+/// softcap (its `tanh` values kept in `tanh` when given), ALiBi, and the mask on Partial tiles.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn score_tile(
+    s: &mut [f32],
+    ld: usize,
+    q: &[f32],
+    k: &[f32],
+    d: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    m: ScoreMod,
+    class: TileClass,
+    vis: &Visibility<'_>,
+    mut tanh: Option<&mut [f32]>,
+) {
+    let nc = cols.len();
+    kernels::scores(q, k, s, rows.len(), nc, d, ld);
+    for (r, i) in rows.enumerate() {
+        let row = &mut s[r * ld..r * ld + nc];
+        if let Some(cap2) = m.cap2 {
+            let t_row = tanh.as_deref_mut().map(|t| &mut t[r * ld..r * ld + nc]);
+            match t_row {
+                Some(t_row) => {
+                    for (x, t) in row.iter_mut().zip(t_row) {
+                        *t = x.tanh();
+                        *x = cap2 * *t;
+                    }
+                }
+                None => row.iter_mut().for_each(|x| *x = cap2 * x.tanh()),
+            }
+        }
+        if let Some(slope2) = m.slope2 {
+            for (x, j) in row.iter_mut().zip(cols.clone()) {
+                *x -= slope2 * (i as i64 + m.off - j as i64).unsigned_abs() as f32;
+            }
+        }
+        if class == TileClass::Partial {
+            let span = vis.span(i);
+            for (x, j) in row.iter_mut().zip(cols.clone()) {
+                if !span.contains(&j) || !vis.block_visible(i, j) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+}
