@@ -12,8 +12,9 @@
 use rayon::prelude::*;
 
 use super::blocking::Tiles;
-use super::kernels;
-use super::tile::{load_rows, score_tile, ScoreMod};
+use super::gemm::gemm;
+use super::tile::{load_rows, load_rows_transposed, score_tile, transpose, ScoreMod};
+use super::vexp::exp2_sub_sum;
 use super::Sink;
 use crate::dtype::Element;
 use crate::mask::TileClass;
@@ -44,7 +45,10 @@ pub(super) struct Scratch {
     keep: Vec<f32>,
     p_dropped: Vec<f32>,
     k: Vec<f32>,
-    v: Vec<f32>,
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+    /// `Pᵀ` / `P'ᵀ` / `dSᵀ`, `Bc × Br`.
+    t: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
 }
@@ -64,7 +68,9 @@ impl Scratch {
             keep: if g.dropout.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
             p_dropped: if g.dropout.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
             k: vec![0.0; t.bc * d],
-            v: vec![0.0; t.bc * dv],
+            kt: vec![0.0; d * t.bc],
+            vt: vec![0.0; dv * t.bc],
+            t: vec![0.0; t.bc * t.br],
             dk: vec![0.0; t.bc * d],
             dv: vec![0.0; t.bc * dv],
         }
@@ -112,7 +118,8 @@ impl<T: Element> Context<'_, T> {
             let cols = jt * bc..((jt + 1) * bc).min(seq.sk);
             let nc = cols.len();
             load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
-            load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
+            load_rows_transposed(&mut sc.kt, bc, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
+            load_rows_transposed(&mut sc.vt, bc, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
             sc.dk[..nc * d].fill(0.0);
             sc.dv[..nc * dv].fill(0.0);
             for head in kv_head * group..(kv_head + 1) * group {
@@ -154,7 +161,7 @@ impl<T: Element> Context<'_, T> {
         if class == TileClass::Skip {
             return;
         }
-        let bc = self.tiles.bc;
+        let Tiles { br, bc } = self.tiles;
         let (d, dv) = (g.d, g.dv);
         let (nr, nc) = (rows.len(), cols.len());
         let smod = ScoreMod::new(g, seq, head);
@@ -170,18 +177,18 @@ impl<T: Element> Context<'_, T> {
 
         // Recompute S_ij and P_ij = exp(S_ij - L_i) from the saved LSE.
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
-        score_tile(&mut sc.s, bc, &sc.q, &sc.k, d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
+        score_tile(&mut sc.s, bc, &sc.q, &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
         for r in 0..nr {
             let lse2 = sc.lse2[r];
             let row = &mut sc.s[r * bc..r * bc + nc];
             if lse2 == f32::NEG_INFINITY {
                 row.fill(0.0); // a row that sees no key has no gradient
             } else {
-                row.iter_mut().for_each(|x| *x = (*x - lse2).exp2());
+                exp2_sub_sum(row, lse2);
             }
         }
         // dP_ij = dO_i V_jᵀ.
-        kernels::scores(&sc.dout, &sc.v, &mut sc.dp, nr, nc, dv, bc);
+        gemm(&mut sc.dp, bc, &sc.dout, dv, &sc.vt, bc, (nr, nc, dv), false);
 
         // Dropout: dV uses P' = P ∘ keep/(1-p), and dP = dP' ∘ keep/(1-p).
         if let Some(dr) = g.dropout {
@@ -196,10 +203,11 @@ impl<T: Element> Context<'_, T> {
                 }
                 sc.dp[row].iter_mut().zip(&*keep).for_each(|(dp, &f)| *dp *= f);
             }
-            kernels::accumulate_atb(&sc.p_dropped, &sc.dout, &mut sc.dv, nr, nc, dv, bc);
+            transpose(&mut sc.t, br, &sc.p_dropped, bc, nr, nc);
         } else {
-            kernels::accumulate_atb(&sc.s, &sc.dout, &mut sc.dv, nr, nc, dv, bc);
+            transpose(&mut sc.t, br, &sc.s, bc, nr, nc);
         }
+        gemm(&mut sc.dv, dv, &sc.t, br, &sc.dout, dv, (nc, dv, nr), true);
 
         // dS_ij = P_ij ∘ (dP_ij - D_i), through the softcap: ∘ (1 - tanh²).
         for r in 0..nr {
@@ -215,19 +223,17 @@ impl<T: Element> Context<'_, T> {
             }
         }
         // dK_j += dSᵀ Q_i (scaled when written); dQ_i += scale · dS K_j into this chunk's partial.
-        kernels::accumulate_atb(&sc.s, &sc.q_raw, &mut sc.dk, nr, nc, d, bc);
-        for (r, i) in rows.enumerate() {
-            let at = self.dq_index(chunk, head, g.q_token(seq, i));
-            // SAFETY: the partial of (chunk, head, token) is touched only by the unit of
-            // (sequence, kv_head(head), chunk), which runs on one thread; the index is in bounds
-            // because the buffer holds chunks · hq · total_q · d floats.
-            let dq = unsafe { self.dq_acc.slice_mut(at, d) };
-            for (c, &ds) in sc.s[r * bc..r * bc + nc].iter().enumerate() {
-                if ds != 0.0 {
-                    kernels::axpy(dq, ds * g.scale, &sc.k[c * d..(c + 1) * d]);
-                }
-            }
+        transpose(&mut sc.t, br, &sc.s, bc, nr, nc);
+        gemm(&mut sc.dk, d, &sc.t, br, &sc.q_raw, d, (nc, d, nr), true);
+        for r in 0..nr {
+            sc.s[r * bc..r * bc + nc].iter_mut().for_each(|x| *x *= g.scale);
         }
+        let at = self.dq_index(chunk, head, g.q_token(seq, rows.start));
+        // SAFETY: the partial rows of (chunk, head, tokens of `rows`) are touched only by the unit
+        // of (sequence, kv_head(head), chunk), which runs on one thread; tokens of one sequence
+        // are consecutive, and the buffer holds chunks · hq · total_q · d floats.
+        let dq = unsafe { self.dq_acc.slice_mut(at, nr * d) };
+        gemm(dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true);
     }
 }
 

@@ -2,9 +2,9 @@
 //! query tile stays put, key/value tiles stream past it).
 
 use super::blocking::Tiles;
-use super::kernels;
+use super::gemm::gemm;
 use super::softmax::OnlineSoftmax;
-use super::tile::{load_rows, score_tile, ScoreMod};
+use super::tile::{load_rows, load_rows_transposed, score_tile, ScoreMod};
 use super::Sink;
 use crate::dtype::Element;
 use crate::mask::TileClass;
@@ -15,7 +15,7 @@ use crate::spec::{Geometry, RowLayout};
 /// accumulator. `O(Br·d + Bc·(d + dv) + Br·Bc + Br·dv)`, independent of sequence length.
 pub(super) struct Scratch {
     q: Vec<f32>,
-    k: Vec<f32>,
+    kt: Vec<f32>,
     v: Vec<f32>,
     s: Vec<f32>,
     o: Vec<f32>,
@@ -26,7 +26,7 @@ impl Scratch {
     pub(super) fn new(g: &Geometry<'_>, t: Tiles) -> Self {
         Self {
             q: vec![0.0; t.br * g.d],
-            k: vec![0.0; t.bc * g.d],
+            kt: vec![0.0; g.d * t.bc],
             v: vec![0.0; t.bc * g.dv],
             s: vec![0.0; t.br * t.bc],
             o: vec![0.0; t.br * g.dv],
@@ -80,10 +80,10 @@ impl<T: Element> Context<'_, T> {
                 continue;
             }
             let nc = cols.len();
-            load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
+            load_rows_transposed(&mut sc.kt, bc, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
             load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
             // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only.
-            score_tile(&mut sc.s, bc, &sc.q, &sc.k, d, rows.clone(), cols.clone(), smod, class, &vis, None);
+            score_tile(&mut sc.s, bc, &sc.q, &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, None);
             // m, l, P and the rescale of O (lines 10-12), then O_i += P_ij V_j.
             sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv);
             if let Some(rng) = &dropout {
@@ -92,7 +92,7 @@ impl<T: Element> Context<'_, T> {
                     rng.apply_row(seq.batch, head, g.hq, i, cols.start, rng.scale(), &mut sc.s[r * bc..r * bc + nc]);
                 }
             }
-            kernels::accumulate_pv(&sc.s, &sc.v, &mut sc.o, nr, nc, dv, bc);
+            gemm(&mut sc.o, dv, &sc.s, bc, &sc.v, dv, (nr, dv, nc), true);
         }
 
         // One final normalisation (FA2), then write O_i and L_i (lines 12-13).

@@ -1,16 +1,17 @@
 //! The CPU backend: tiled FlashAttention with an online softmax, parallel over
 //! `(sequence, head, query tile)` with rayon.
 //!
-//! Layers (STYLE.md): [`schedule`](self) decides who computes which query tile (this file),
-//! [`blocking`] decides the tile sizes, [`forward`] is the per-tile loop of Algorithm 1, and
-//! [`kernels`] / [`softmax`] are the inner loops it calls.
+//! Layers (STYLE.md): the schedule decides who computes which tile (this file), [`blocking`]
+//! decides the tile sizes, `forward` / `backward` are the per-tile loops of FlashAttention-2's
+//! Algorithms 1 and 2, and [`gemm`] / `softmax` are the inner loops they call.
 
 mod backward;
 pub(crate) mod blocking;
 mod forward;
-pub(crate) mod kernels;
+pub mod gemm;
 mod softmax;
 mod tile;
+mod vexp;
 
 use rayon::prelude::*;
 

@@ -8,6 +8,8 @@
 
 use std::f32::consts::LN_2;
 
+use super::vexp::{exp2_sub_sum, row_max};
+
 /// Running row maxima and sums of one query tile.
 #[derive(Debug, Default)]
 pub struct OnlineSoftmax {
@@ -30,7 +32,7 @@ impl OnlineSoftmax {
     pub fn update(&mut self, s: &mut [f32], ld_s: usize, cols: usize, o: &mut [f32], dv: usize) {
         for (r, (m, l)) in self.row_max.iter_mut().zip(&mut self.row_sum).enumerate() {
             let row = &mut s[r * ld_s..r * ld_s + cols];
-            let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let tile_max = row_max(row);
             let m_new = m.max(tile_max);
             if m_new == f32::NEG_INFINITY {
                 // Nothing visible yet in this row: every probability is 0.
@@ -41,15 +43,10 @@ impl OnlineSoftmax {
                 // Algorithm 1, line 12: rescale what was accumulated under the old maximum.
                 let alpha = (*m - m_new).exp2();
                 *l *= alpha;
-                super::kernels::scale(&mut o[r * dv..(r + 1) * dv], alpha);
+                o[r * dv..(r + 1) * dv].iter_mut().for_each(|x| *x *= alpha);
                 *m = m_new;
             }
-            let mut sum = 0.0f32;
-            for p in row.iter_mut() {
-                *p = (*p - m_new).exp2();
-                sum += *p;
-            }
-            *l += sum;
+            *l += exp2_sub_sum(row, m_new);
         }
     }
 

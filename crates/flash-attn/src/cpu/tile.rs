@@ -4,7 +4,7 @@
 use std::f32::consts::LOG2_E;
 use std::ops::Range;
 
-use super::kernels;
+use super::gemm::gemm;
 use crate::dtype::Element;
 use crate::mask::{TileClass, Visibility};
 use crate::spec::{Geometry, RowLayout, Sequence};
@@ -59,14 +59,47 @@ pub(super) fn load_rows<T: Element>(
     }
 }
 
-/// The score tile of `rows × cols` (rows of stride `ld` in `s`): `S = Q Kᵀ` from loaded tiles,
-/// softcap (its `tanh` values kept in `tanh` when given), ALiBi, and the mask on Partial tiles.
+/// Copies rows `rows` of head `head` transposed into `dst`: element `x` of row `r` goes to
+/// `dst[x * ld + r]` (so `Kᵀ` has contiguous rows for [`gemm`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_rows_transposed<T: Element>(
+    dst: &mut [f32],
+    ld: usize,
+    src: &[T],
+    layout: RowLayout,
+    seq: &Sequence,
+    start: usize,
+    rows: Range<usize>,
+    head: usize,
+    dim: usize,
+) {
+    for (r, i) in rows.enumerate() {
+        let at = layout.row(seq, start, i, head);
+        for (x, v) in src[at..at + dim].iter().enumerate() {
+            dst[x * ld + r] = v.to_f32();
+        }
+    }
+}
+
+/// `dst[c][r] = src[r][c]` for an `rows × cols` tile (`src` rows of stride `ld_src`, `dst` rows of
+/// stride `ld_dst`).
+pub(super) fn transpose(dst: &mut [f32], ld_dst: usize, src: &[f32], ld_src: usize, rows: usize, cols: usize) {
+    for r in 0..rows {
+        for (c, &x) in src[r * ld_src..r * ld_src + cols].iter().enumerate() {
+            dst[c * ld_dst + r] = x;
+        }
+    }
+}
+
+/// The score tile of `rows × cols` (rows of stride `ld` in `s`): `S = Q Kᵀ` from the loaded `Q`
+/// and the packed `Kᵀ` (`d × ld`), then softcap (its `tanh` values kept in `tanh` when given),
+/// ALiBi, and the mask on Partial tiles.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn score_tile(
     s: &mut [f32],
     ld: usize,
     q: &[f32],
-    k: &[f32],
+    kt: &[f32],
     d: usize,
     rows: Range<usize>,
     cols: Range<usize>,
@@ -76,7 +109,7 @@ pub(super) fn score_tile(
     mut tanh: Option<&mut [f32]>,
 ) {
     let nc = cols.len();
-    kernels::scores(q, k, s, rows.len(), nc, d, ld);
+    gemm(s, ld, q, d, kt, ld, (rows.len(), nc, d), false);
     for (r, i) in rows.enumerate() {
         let row = &mut s[r * ld..r * ld + nc];
         if let Some(cap2) = m.cap2 {

@@ -1,0 +1,380 @@
+//! The one matrix micro-kernel every tile product goes through: `C (+)= A · B` on `f32` tiles,
+//! with `B` row-major (packed so its rows are contiguous).
+//!
+//! Attention's products all take this form once the right operand is packed: `S = Q · Kᵀ`
+//! (B = Kᵀ, packed `d × Bc`), `O += P · V` (B = V), and in the backward pass `dP = dO · Vᵀ`,
+//! `dV += Pᵀ · dO`, `dK += dSᵀ · Q`, `dQ += dS · K`.
+//!
+//! Paths, chosen at run time (faer/gemm style): AVX-512F (8 rows × 32 columns of accumulators
+//! in registers, masked tails), AVX2+FMA (6 × 16), and a portable fallback that LLVM vectorises
+//! for the baseline target. A test checks that all available paths agree with an f64 product.
+
+/// Which implementation [`gemm`] uses on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// AVX-512F intrinsics.
+    Avx512,
+    /// AVX2 + FMA intrinsics.
+    Avx2,
+    /// Portable Rust.
+    Portable,
+}
+
+/// The best path this CPU supports.
+pub fn detect() -> Path {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Path::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            return Path::Avx2;
+        }
+    }
+    Path::Portable
+}
+
+/// `C[m × n] = A[m × k] · B[k × n]` (or `+=` when `accumulate`), leading dimensions in elements.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn gemm(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    gemm_with(detect(), c, ldc, a, lda, b, ldb, (m, n, k), accumulate)
+}
+
+/// [`gemm`] on an explicit path (tests compare paths). A path the CPU lacks falls back to the
+/// portable one.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with(
+    path: Path,
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // The intrinsic paths index without bounds checks: establish every access is in bounds.
+    assert!(
+        c.len() >= (m - 1) * ldc + n
+            && (k == 0 || (a.len() >= (m - 1) * lda + k && b.len() >= (k - 1) * ldb + n))
+            && ldc >= n
+            && (k == 0 || (lda >= k && ldb >= n)),
+        "gemm: tile views out of bounds"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        match path {
+            Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
+                // SAFETY: the CPU supports AVX-512F (checked just above) and the assert above
+                // bounds every access the kernel makes.
+                return unsafe { x86::gemm_avx512(c, ldc, a, lda, b, ldb, m, n, k, accumulate) };
+            }
+            Path::Avx2 if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") => {
+                // SAFETY: as above, for AVX2 and FMA.
+                return unsafe { x86::gemm_avx2(c, ldc, a, lda, b, ldb, m, n, k, accumulate) };
+            }
+            _ => {}
+        }
+    }
+    let _ = path;
+    gemm_portable(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_portable(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    for i in 0..m {
+        let ci = &mut c[i * ldc..i * ldc + n];
+        if !accumulate {
+            ci.fill(0.0);
+        }
+        for p in 0..k {
+            let aip = a[i * lda + p];
+            for (cij, &bpj) in ci.iter_mut().zip(&b[p * ldb..p * ldb + n]) {
+                *cij += aip * bpj;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Rows of `C` held in registers per AVX-512 micro-tile (2 × 16 columns each).
+    const MR512: usize = 8;
+
+    /// # Safety
+    /// AVX-512F available; all accesses in bounds (`gemm_with` asserts it).
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_avx512(
+        c: &mut [f32],
+        ldc: usize,
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) {
+        let (cp, ap, bp) = (c.as_mut_ptr(), a.as_ptr(), b.as_ptr());
+        let mut j = 0;
+        while j < n {
+            let w = (n - j).min(32);
+            let m0: __mmask16 = if w >= 16 { 0xFFFF } else { ((1u32 << w) - 1) as u16 };
+            let m1: __mmask16 = if w >= 32 {
+                0xFFFF
+            } else if w > 16 {
+                ((1u32 << (w - 16)) - 1) as u16
+            } else {
+                0
+            };
+            let mut i = 0;
+            while i < m {
+                let rows = (m - i).min(MR512);
+                // SAFETY: forwarded from the caller; rows <= MR512, columns masked to n.
+                unsafe {
+                    match rows {
+                        8 => tile512::<8>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        7 => tile512::<7>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        6 => tile512::<6>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        5 => tile512::<5>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        4 => tile512::<4>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        3 => tile512::<3>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        2 => tile512::<2>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        _ => tile512::<1>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                    }
+                }
+                i += rows;
+            }
+            j += w;
+        }
+    }
+
+    /// One `R × 32` micro-tile at `(i, j)`; `m0`, `m1` mask the two 16-column halves.
+    ///
+    /// # Safety
+    /// AVX-512F available; rows `i..i+R`, masked columns and `k` in bounds.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile512<const R: usize>(
+        c: *mut f32,
+        ldc: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        i: usize,
+        j: usize,
+        k: usize,
+        m0: __mmask16,
+        m1: __mmask16,
+        accumulate: bool,
+    ) {
+        // SAFETY (whole body): every pointer offset stays within the views the caller bounded;
+        // masked loads and stores touch only the columns selected by m0/m1.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 2]; R];
+            for p in 0..k {
+                let brow = b.add(p * ldb + j);
+                let b0 = _mm512_maskz_loadu_ps(m0, brow);
+                let b1 = _mm512_maskz_loadu_ps(m1, brow.add(16));
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let av = _mm512_set1_ps(*a.add((i + r) * lda + p));
+                    acc_r[0] = _mm512_fmadd_ps(av, b0, acc_r[0]);
+                    acc_r[1] = _mm512_fmadd_ps(av, b1, acc_r[1]);
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                let crow = c.add((i + r) * ldc + j);
+                let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
+                if accumulate {
+                    c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, crow));
+                    c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, crow.add(16)));
+                }
+                _mm512_mask_storeu_ps(crow, m0, c0);
+                _mm512_mask_storeu_ps(crow.add(16), m1, c1);
+            }
+        }
+    }
+
+    /// Rows per AVX2 micro-tile (2 × 8 columns each).
+    const MR256: usize = 6;
+
+    /// # Safety
+    /// AVX2 and FMA available; all accesses in bounds (`gemm_with` asserts it).
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_avx2(
+        c: &mut [f32],
+        ldc: usize,
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) {
+        let n16 = n / 16 * 16;
+        let (cp, ap, bp) = (c.as_mut_ptr(), a.as_ptr(), b.as_ptr());
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(MR256);
+            let mut j = 0;
+            while j < n16 {
+                // SAFETY: forwarded from the caller; full 16-column blocks only.
+                unsafe {
+                    match rows {
+                        6 => tile256::<6>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        5 => tile256::<5>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        4 => tile256::<4>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        3 => tile256::<3>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        2 => tile256::<2>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        _ => tile256::<1>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    }
+                }
+                j += 16;
+            }
+            i += rows;
+        }
+        if n16 < n {
+            // Column tail: the portable loop on the last n - n16 columns.
+            for i in 0..m {
+                for jj in n16..n {
+                    let mut s = 0.0f32;
+                    for p in 0..k {
+                        s += a[i * lda + p] * b[p * ldb + jj];
+                    }
+                    let cij = &mut c[i * ldc + jj];
+                    *cij = if accumulate { *cij + s } else { s };
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available; rows `i..i+R`, columns `j..j+16` and `k` in bounds.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile256<const R: usize>(
+        c: *mut f32,
+        ldc: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        i: usize,
+        j: usize,
+        k: usize,
+        accumulate: bool,
+    ) {
+        // SAFETY (whole body): offsets stay within the views the caller bounded.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            for p in 0..k {
+                let brow = b.add(p * ldb + j);
+                let b0 = _mm256_loadu_ps(brow);
+                let b1 = _mm256_loadu_ps(brow.add(8));
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let av = _mm256_set1_ps(*a.add((i + r) * lda + p));
+                    acc_r[0] = _mm256_fmadd_ps(av, b0, acc_r[0]);
+                    acc_r[1] = _mm256_fmadd_ps(av, b1, acc_r[1]);
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                let crow = c.add((i + r) * ldc + j);
+                let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
+                if accumulate {
+                    c0 = _mm256_add_ps(c0, _mm256_loadu_ps(crow));
+                    c1 = _mm256_add_ps(c1, _mm256_loadu_ps(crow.add(8)));
+                }
+                _mm256_storeu_ps(crow, c0);
+                _mm256_storeu_ps(crow.add(8), c1);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut c = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|p| a[i * k + p] as f64 * b[p * n + j] as f64).sum();
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn every_path_agrees_with_an_f64_product_on_odd_shapes() {
+        let mut rng = crate::check::Rng::new(9);
+        for &(m, n, k) in &[(1, 1, 1), (3, 5, 7), (8, 32, 16), (9, 33, 17), (13, 47, 64), (64, 64, 128), (2, 100, 3)] {
+            let a: Vec<f32> = (0..m * k).map(|_| rng.normal() as f32).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| rng.normal() as f32).collect();
+            let want = reference(&a, &b, m, n, k);
+            for path in [Path::Avx512, Path::Avx2, Path::Portable] {
+                for accumulate in [false, true] {
+                    let init: Vec<f32> = (0..m * n).map(|x| x as f32 * 0.25).collect();
+                    let mut c = init.clone();
+                    gemm_with(path, &mut c, n, &a, k, &b, n, (m, n, k), accumulate);
+                    for (idx, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                        let w = if accumulate { w + init[idx] as f64 } else { w };
+                        assert!(
+                            (got as f64 - w).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + w.abs()),
+                            "{path:?} {m}x{n}x{k} acc={accumulate} [{idx}]: {got} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn leading_dimensions_larger_than_the_tile_leave_the_rest_untouched() {
+        let (m, n, k, ld) = (5, 19, 6, 40);
+        let a: Vec<f32> = (0..m * ld).map(|x| (x % 7) as f32 - 3.0).collect();
+        let b: Vec<f32> = (0..k * ld).map(|x| (x % 5) as f32 - 2.0).collect();
+        for path in [Path::Avx512, Path::Avx2, Path::Portable] {
+            let mut c = vec![7.0f32; m * ld];
+            gemm_with(path, &mut c, ld, &a, ld, &b, ld, (m, n, k), false);
+            for i in 0..m {
+                assert!(c[i * ld + n..(i + 1) * ld].iter().all(|&x| x == 7.0), "{path:?}");
+            }
+        }
+    }
+}
