@@ -50,7 +50,7 @@ mod tests {
     fn tiles_stay_within_bounds_for_every_head_dim() {
         for d in [1, 7, 64, 128, 256, 512] {
             let t = tiles(d, d, 4096, 8, 2);
-            assert!(t.bc >= 16 && t.bc <= 128 && t.bc % 16 == 0);
+            assert!(t.bc >= 16 && t.bc <= 128 && t.bc.is_multiple_of(16));
             assert!(t.br >= 16 && t.br <= 64);
             assert!(4 * t.bc * 2 * d <= L2_BUDGET);
         }

@@ -43,7 +43,7 @@ mod x86 {
     /// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)`.
     const C: [f32; 8] = [
         1.0,
-        0.693_147_2,
+        std::f32::consts::LN_2,
         0.240_226_5,
         0.055_504_11,
         0.009_618_129,
