@@ -10,6 +10,7 @@
 mod alloc;
 mod bench;
 mod check;
+mod io;
 mod progress;
 mod run;
 mod safetensors_io;
@@ -40,6 +41,8 @@ enum Command {
     Check(check::CheckArgs),
     /// Time the forward pass: one shape, the default grid, or the memory table.
     Bench(bench::BenchArgs),
+    /// Print the HBM-access model: Algorithm 0 vs FlashAttention for N, d and SRAM size M.
+    Io(io::IoArgs),
 }
 
 /// Where attention runs.
@@ -109,6 +112,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run::main(&args),
         Command::Check(args) => check::main(&args),
         Command::Bench(args) => bench::main(&args),
+        Command::Io(args) => io::main(&args),
     };
     match result {
         Ok(code) => code,

@@ -78,7 +78,7 @@ mod sealed {
     impl Sealed for half::bf16 {}
 }
 
-/// An element type of `q`, `k`, `v` and `out`: one of `f32`, [`f16`], [`bf16`].
+/// An element type of `q`, `k`, `v` and `out`: one of `f32`, [`half::f16`], [`half::bf16`].
 ///
 /// Sealed: the kernels are written for exactly these three.
 pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + sealed::Sealed + 'static {

@@ -149,9 +149,38 @@ pub enum Error {
     #[error("backward does not match its forward: {0}")]
     Mismatch(String),
 
+    /// A buffer the call needs could not be allocated.
+    #[error("out of memory: `{what}` needs {elements} elements of {element_bytes} bytes")]
+    OutOfMemory {
+        /// What the buffer is for.
+        what: &'static str,
+        /// Number of elements requested.
+        elements: usize,
+        /// Bytes per element.
+        element_bytes: usize,
+    },
+
     /// A feature that this backend or build does not provide.
     #[error("unsupported: {0}")]
     Unsupported(String),
+}
+
+/// A vector of `n` copies of `value`, or [`Error::OutOfMemory`] instead of an abort.
+pub(crate) fn try_vec<T: Clone>(what: &'static str, n: usize, value: T) -> Result<Vec<T>> {
+    let oom = || Error::OutOfMemory { what, elements: n, element_bytes: std::mem::size_of::<T>() };
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| oom())?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// Product of a shape's dimensions, or [`Error::OutOfMemory`] when it overflows.
+pub(crate) fn numel(what: &'static str, shape: &[usize]) -> Result<usize> {
+    shape.iter().try_fold(1usize, |a, &n| a.checked_mul(n)).ok_or(Error::OutOfMemory {
+        what,
+        elements: usize::MAX,
+        element_bytes: 1,
+    })
 }
 
 /// Shorthand for results of this crate.

@@ -36,13 +36,16 @@
 //! ```
 //!
 //! The semantics (shapes, masks, score modifiers, numerics) are those of DESIGN §2, shared by
-//! every backend and by the [`reference`] oracle:
+//! every backend and by the oracle in [`mod@reference`]:
 //! - [`AttentionSpec`] says what to compute: scale, causal (bottom-right or top-left), sliding
 //!   window, softcap, ALiBi, block-sparse mask, variable-length batches;
 //! - [`Tensor`] / [`TensorMut`] are strided views over your buffers (`q [b, sq, hq, d]`, ...);
 //! - [`forward`] / [`forward_into`] run on the CPU and return `out` and `lse`;
+//! - [`backward`] / [`forward_train`] + [`Saved::backward`] give the gradients by recomputation,
+//!   with dropout from [`philox`] regenerated rather than stored;
 //! - [`mask`] is the one module deciding visibility and which tiles run;
-//! - [`check`] runs random cases against the oracle under the numerics contract.
+//! - [`check`] runs random cases against the oracle under the numerics contract;
+//! - [`io_model`] predicts HBM traffic of standard attention and FlashAttention (Theorem 2).
 
 #![warn(missing_docs)]
 
@@ -50,6 +53,7 @@ pub mod check;
 pub mod cpu;
 pub mod dtype;
 pub mod error;
+pub mod io_model;
 pub mod mask;
 pub mod philox;
 pub mod reference;
@@ -57,6 +61,7 @@ pub mod spec;
 pub mod tensor;
 
 pub use dtype::{DType, Element};
+use error::{numel, try_vec};
 pub use error::{Error, Result};
 pub use spec::{AttentionSpec, BlockMask, Causal, Dropout, Geometry, Sequence};
 pub use tensor::{Tensor, TensorMut};
@@ -92,8 +97,8 @@ pub fn forward<T: Element>(
     let g = Geometry::new(spec, q, k, v)?;
     let out_shape = g.out_shape();
     let lse_shape = g.lse_shape();
-    let mut out = vec![T::default(); out_shape.iter().product()];
-    let mut lse = vec![0.0f32; g.lse_len()];
+    let mut out = try_vec("out", numel("out", &out_shape)?, T::default())?;
+    let mut lse = try_vec("lse", g.lse_len(), 0.0f32)?;
     cpu::forward_into(&g, q, k, v, &mut TensorMut::new(&mut out, &out_shape), &mut lse)?;
     Ok(Output { out, out_shape, lse, lse_shape })
 }
@@ -147,9 +152,9 @@ pub fn backward<T: Element>(
 ) -> Result<Gradients<T>> {
     let g = Geometry::new(spec, q, k, v)?;
     let (dq_shape, dk_shape, dv_shape) = (g.q_shape(g.d), g.k_shape(g.d), g.k_shape(g.dv));
-    let mut dq = vec![T::default(); dq_shape.iter().product()];
-    let mut dk = vec![T::default(); dk_shape.iter().product()];
-    let mut dv = vec![T::default(); dv_shape.iter().product()];
+    let mut dq = try_vec("dq", numel("dq", &dq_shape)?, T::default())?;
+    let mut dk = try_vec("dk", numel("dk", &dk_shape)?, T::default())?;
+    let mut dv = try_vec("dv", numel("dv", &dv_shape)?, T::default())?;
     cpu::backward_into(
         &g,
         q,

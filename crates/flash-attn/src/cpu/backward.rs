@@ -17,6 +17,7 @@ use super::tile::{load_rows, load_rows_transposed, score_tile, transpose, ScoreM
 use super::vexp::exp2_sub_sum;
 use super::Sink;
 use crate::dtype::Element;
+use crate::error::{try_vec, Result};
 use crate::mask::TileClass;
 use crate::philox::DropoutRng;
 use crate::spec::{Geometry, RowLayout, Sequence};
@@ -238,8 +239,12 @@ impl<T: Element> Context<'_, T> {
 }
 
 /// `D_i = Σ_x dO_ix · O_ix` for every row, laid out like `lse`.
-pub(super) fn row_deltas<T: Element>(g: &Geometry<'_>, out: (&[T], RowLayout), dout: (&[T], RowLayout)) -> Vec<f32> {
-    let mut delta = vec![0.0f32; g.lse_len()];
+pub(super) fn row_deltas<T: Element>(
+    g: &Geometry<'_>,
+    out: (&[T], RowLayout),
+    dout: (&[T], RowLayout),
+) -> Result<Vec<f32>> {
+    let mut delta = try_vec("D", g.lse_len(), 0.0f32)?;
     let sink = Sink::new(&mut delta);
     let pairs: Vec<(usize, usize)> = (0..g.seqs.len()).flat_map(|s| (0..g.hq).map(move |h| (s, h))).collect();
     pairs.par_iter().for_each(|&(s, h)| {
@@ -251,5 +256,5 @@ pub(super) fn row_deltas<T: Element>(g: &Geometry<'_>, out: (&[T], RowLayout), d
             unsafe { sink.write(g.lse_index(seq, h, i), sum) };
         }
     });
-    delta
+    Ok(delta)
 }

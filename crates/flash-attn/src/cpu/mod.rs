@@ -1,7 +1,7 @@
 //! The CPU backend: tiled FlashAttention with an online softmax, parallel over
 //! `(sequence, head, query tile)` with rayon.
 //!
-//! Layers (STYLE.md): the schedule decides who computes which tile (this file), [`blocking`]
+//! Layers (STYLE.md): the schedule decides who computes which tile (this file), `blocking`
 //! decides the tile sizes, `forward` / `backward` are the per-tile loops of FlashAttention-2's
 //! Algorithms 1 and 2, and [`gemm`] / `softmax` are the inner loops they call.
 
@@ -16,7 +16,7 @@ mod vexp;
 use rayon::prelude::*;
 
 use crate::dtype::Element;
-use crate::error::{Error, Result};
+use crate::error::{numel, try_vec, Error, Result};
 use crate::spec::{Causal, Geometry, RowLayout};
 use crate::tensor::{Tensor, TensorMut};
 
@@ -76,7 +76,7 @@ struct WorkItem {
 pub use blocking::Tiles;
 
 /// Forward pass into caller-provided `out` and `lse` (see [`crate::forward_into`]), with tile
-/// sizes from [`blocking`].
+/// sizes from the cache model in `blocking`.
 pub fn forward_into<T: Element>(
     g: &Geometry<'_>,
     q: &Tensor<'_, T>,
@@ -174,10 +174,10 @@ pub fn backward_into<T: Element>(
     let tiles = blocking::backward_tiles(g.d, g.dv);
     let chunks = backward::chunks(g, tiles.bc);
     // D = rowsum(dO ∘ O): one pass before the main loop (FA2 Algorithm 2, line 4).
-    let delta = backward::row_deltas(g, (out.data(), out_layout), (dout.data(), dout_layout));
+    let delta = backward::row_deltas(g, (out.data(), out_layout), (dout.data(), dout_layout))?;
     // The f32 dQ accumulator (one partial per chunk) and D: the only extra memory that grows with
     // the sequence length.
-    let mut dq_acc = vec![0.0f32; chunks * g.hq * g.total_q * g.d];
+    let mut dq_acc = try_vec("dQ accumulator", numel("dQ accumulator", &[chunks, g.hq, g.total_q, g.d])?, 0.0f32)?;
 
     fill_uncovered_keys(g, dk, dk_layout, dv, dv_layout);
     let dq_acc_sink = Sink::new(&mut dq_acc);
