@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -415,6 +416,9 @@ def crosscheck(a):
                     with open(os.path.join(cdir, "case.json"), "w") as f:
                         json.dump({"desc": desc, "cmd": cmd, "problems": problems,
                                    "stderr": se}, f, indent=1)
+                if a.max_failures and failed >= a.max_failures:
+                    print(f"stopping after {failed} failure(s) (--max-failures)")
+                    break
             else:
                 passed += 1
                 if a.verbose:
@@ -674,6 +678,7 @@ def self_test(a):
     import torch.nn.functional as F
     ok = True
     torch.manual_seed(0)
+    t0 = time.time()
 
     # 1. element-wise loop oracle vs the vectorised float64 reference, on small random cases
     worst = 0.0
@@ -693,7 +698,9 @@ def self_test(a):
         if e > 1e-9:
             ok = False
             print(f"self-test loop-oracle mismatch case {idx} [{shape_str(desc)}] {opts}: {e:.3e}")
-    print(f"[1] loop oracle vs vectorised f64 reference: {n} cases, max diff {worst:.2e}")
+    print(f"[1] loop oracle vs vectorised f64 reference: {n} cases, max diff {worst:.2e}"
+          f" ({time.time() - t0:.0f}s)", flush=True)
+    t0 = time.time()
 
     # 2. torch SDPA (float64) vs the reference, forward and backward
     worst_f = worst_b = 0.0
@@ -799,7 +806,8 @@ def self_test(a):
         n += 1
     print(f"[2] torch SDPA f64 vs reference: {n} cases (none/top-left causal/bool mask/"
           f"ALiBi float mask/scale, GQA via enable_gqa and expanded), "
-          f"max fwd diff {worst_f:.2e}, max grad diff {worst_b:.2e}")
+          f"max fwd diff {worst_f:.2e}, max grad diff {worst_b:.2e} ({time.time() - t0:.0f}s)",
+          flush=True)
 
     # 3. whole pipeline through a mock binary (this script in --mock-run mode)
     work = tempfile.mkdtemp(prefix="fa-selftest-")
@@ -821,17 +829,17 @@ def self_test(a):
 
         nc = str(a.self_test_cases)
         rc, last, out = sub(["--cases", nc, "--seed", "1"])
-        print(f"[3] mock binary, correct, forward:  {last} (rc={rc})")
+        print(f"[3] mock binary, correct, forward:  {last} (rc={rc})", flush=True)
         ok &= rc == 0
         if rc:
             print(out)
         rc, last, out = sub(["--cases", nc, "--seed", "2", "--backward"])
-        print(f"    mock binary, correct, backward: {last} (rc={rc})")
+        print(f"    mock binary, correct, backward: {last} (rc={rc})", flush=True)
         ok &= rc == 0
         if rc:
             print(out)
         rc, last, out = sub(["--bad-inputs"])
-        print(f"    mock binary, --bad-inputs:      {last} (rc={rc})")
+        print(f"    mock binary, --bad-inputs:      {last} (rc={rc})", flush=True)
         ok &= rc == 0
         if rc:
             print(out)
@@ -840,11 +848,12 @@ def self_test(a):
                            ("masked_row_nan", []), ("out_noise", []), ("lse_layout", []),
                            ("dk_scale", ["--backward"]), ("bad_exit1", ["--bad-inputs"]),
                            ("bad_touch_out", ["--bad-inputs"])]:
-            args = extra if extra == ["--bad-inputs"] else ["--cases", nc, "--seed", "3"] + extra
+            args = extra if extra == ["--bad-inputs"] else \
+                ["--cases", nc, "--seed", "3", "--max-failures", "1"] + extra
             rc, last, _ = sub(args, bug)
             caught = rc != 0
             ok &= caught
-            print(f"    mock bug {bug:15s} {'caught' if caught else 'NOT CAUGHT'}: {last}")
+            print(f"    mock bug {bug:15s} {'caught' if caught else 'NOT CAUGHT'}: {last}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("self-test " + ("PASSED" if ok else "FAILED"))
@@ -988,6 +997,8 @@ def main():
                     help="check malformed inputs give exit 2, one stderr line, OUT untouched")
     ap.add_argument("--extra-args", default="",
                     help="extra arguments for every run, e.g. '--device cuda'")
+    ap.add_argument("--max-failures", type=int, default=0,
+                    help="stop after this many failing cases (0 = never)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per binary run")
     ap.add_argument("--self-test", action="store_true",
                     help="test this script's reference and harness (no binary needed)")

@@ -726,7 +726,7 @@ impl fmt::Display for IoReport {
         write_table(f, &["pass", "algorithm", "reads", "writes", "total", "bytes", "vs standard"], &rows)?;
         writeln!(f)?;
 
-        let ragged = p.n % b.bc != 0 || p.n % b.br != 0;
+        let ragged = !p.n.is_multiple_of(b.bc) || !p.n.is_multiple_of(b.br);
         writeln!(
             f,
             "Algorithm 1, seed closed form Tc·(2·Bc·d + Tr·(3·Br·d + 4·Br)) = {}{}",
