@@ -372,7 +372,7 @@ fn fmt_time(ms: f64) -> String {
 
 /// `1024` as `1k`, `65536` as `64k`.
 fn fmt_count(n: usize) -> String {
-    if n >= 1024 && n % 1024 == 0 {
+    if n >= 1024 && n.is_multiple_of(1024) {
         format!("{}k", n / 1024)
     } else {
         n.to_string()
