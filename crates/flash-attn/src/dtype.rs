@@ -4,6 +4,7 @@
 //! converts at the edges: inputs are widened when a tile is loaded, outputs rounded once when
 //! the final normalisation is written.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// The data types attention runs on.
@@ -94,6 +95,10 @@ pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 
     fn to_f64(self) -> f64 {
         self.to_f32() as f64
     }
+    /// Widen a slice to `f32` (vectorised, with run-time F16C detection for `f16`); lengths equal.
+    fn widen_slice(src: &[Self], dst: &mut [f32]);
+    /// Round a slice from `f32` (vectorised where the CPU allows); lengths equal.
+    fn narrow_slice(src: &[f32], dst: &mut [Self]);
 }
 
 impl Element for f32 {
@@ -109,6 +114,14 @@ impl Element for f32 {
     #[inline(always)]
     fn from_f64(x: f64) -> Self {
         x as f32
+    }
+    #[inline]
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src);
     }
 }
 
@@ -126,6 +139,14 @@ impl Element for f16 {
     fn from_f64(x: f64) -> Self {
         f16::from_f64(x)
     }
+    #[inline]
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline]
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
 }
 
 impl Element for bf16 {
@@ -141,5 +162,13 @@ impl Element for bf16 {
     #[inline(always)]
     fn from_f64(x: f64) -> Self {
         bf16::from_f64(x)
+    }
+    #[inline]
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline]
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
     }
 }

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::blocking::Tiles;
 use super::gemm::gemm;
-use super::tile::{load_rows, load_rows_transposed, score_tile, transpose, ScoreMod};
+use super::tile::{load_rows, score_tile, transpose, ScoreMod};
 use super::vexp::exp2_sub_sum;
 use super::Sink;
 use crate::dtype::Element;
@@ -47,6 +47,7 @@ pub(super) struct Scratch {
     p_dropped: Vec<f32>,
     k: Vec<f32>,
     kt: Vec<f32>,
+    v: Vec<f32>,
     vt: Vec<f32>,
     /// `Pᵀ` / `P'ᵀ` / `dSᵀ`, `Bc × Br`.
     t: Vec<f32>,
@@ -70,6 +71,7 @@ impl Scratch {
             p_dropped: if g.dropout.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
             k: vec![0.0; t.bc * d],
             kt: vec![0.0; d * t.bc],
+            v: vec![0.0; t.bc * dv],
             vt: vec![0.0; dv * t.bc],
             t: vec![0.0; t.bc * t.br],
             dk: vec![0.0; t.bc * d],
@@ -119,8 +121,9 @@ impl<T: Element> Context<'_, T> {
             let cols = jt * bc..((jt + 1) * bc).min(seq.sk);
             let nc = cols.len();
             load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
-            load_rows_transposed(&mut sc.kt, bc, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
-            load_rows_transposed(&mut sc.vt, bc, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
+            transpose(&mut sc.kt, bc, &sc.k, d, nc, d);
+            load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
+            transpose(&mut sc.vt, bc, &sc.v, dv, nc, dv);
             sc.dk[..nc * d].fill(0.0);
             sc.dv[..nc * dv].fill(0.0);
             for head in kv_head * group..(kv_head + 1) * group {
@@ -130,18 +133,15 @@ impl<T: Element> Context<'_, T> {
                 }
             }
             // dK_j = scale · Σ dSᵀ Q; dV_j = Σ P'ᵀ dO: write this tile's rows.
+            sc.dk[..nc * d].iter_mut().for_each(|x| *x *= g.scale);
             for (c, j) in cols.enumerate() {
                 let at = self.dk_layout.row(seq, seq.k_start, j, kv_head);
-                for (x, &val) in sc.dk[c * d..(c + 1) * d].iter().enumerate() {
-                    // SAFETY: key j of (seq, kv_head) belongs to this unit's chunk alone; the
-                    // `dk` view was validated in bounds and non-overlapping.
-                    unsafe { self.dk.write(at + x, T::from_f32(val * g.scale)) };
-                }
+                // SAFETY: key j of (seq, kv_head) belongs to this unit's chunk alone; its row is
+                // contiguous inside the validated, non-overlapping `dk` view.
+                T::narrow_slice(&sc.dk[c * d..(c + 1) * d], unsafe { self.dk.slice_mut(at, d) });
                 let at = self.dv_layout.row(seq, seq.k_start, j, kv_head);
-                for (x, &val) in sc.dv[c * dv..(c + 1) * dv].iter().enumerate() {
-                    // SAFETY: as above, for `dv`.
-                    unsafe { self.dv.write(at + x, T::from_f32(val)) };
-                }
+                // SAFETY: as above, for `dv`.
+                T::narrow_slice(&sc.dv[c * dv..(c + 1) * dv], unsafe { self.dv.slice_mut(at, dv) });
             }
         }
     }

@@ -4,7 +4,7 @@
 use super::blocking::Tiles;
 use super::gemm::gemm;
 use super::softmax::OnlineSoftmax;
-use super::tile::{load_rows, load_rows_transposed, score_tile, ScoreMod};
+use super::tile::{load_rows, score_tile, transpose, ScoreMod};
 use super::Sink;
 use crate::dtype::Element;
 use crate::mask::TileClass;
@@ -15,6 +15,7 @@ use crate::spec::{Geometry, RowLayout};
 /// accumulator. `O(Br·d + Bc·(d + dv) + Br·Bc + Br·dv)`, independent of sequence length.
 pub(super) struct Scratch {
     q: Vec<f32>,
+    k: Vec<f32>,
     kt: Vec<f32>,
     v: Vec<f32>,
     s: Vec<f32>,
@@ -26,6 +27,7 @@ impl Scratch {
     pub(super) fn new(g: &Geometry<'_>, t: Tiles) -> Self {
         Self {
             q: vec![0.0; t.br * g.d],
+            k: vec![0.0; t.bc * g.d],
             kt: vec![0.0; g.d * t.bc],
             v: vec![0.0; t.bc * g.dv],
             s: vec![0.0; t.br * t.bc],
@@ -80,7 +82,8 @@ impl<T: Element> Context<'_, T> {
                 continue;
             }
             let nc = cols.len();
-            load_rows_transposed(&mut sc.kt, bc, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
+            load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
+            transpose(&mut sc.kt, bc, &sc.k, d, nc, d);
             load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
             // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only.
             score_tile(&mut sc.s, bc, &sc.q, &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, None);
@@ -99,11 +102,11 @@ impl<T: Element> Context<'_, T> {
         for (r, i) in rows.enumerate() {
             let dst = self.out_layout.row(seq, seq.q_start, i, head);
             let (inv, lse) = sc.softmax.finish(r).unwrap_or((0.0, f32::NEG_INFINITY));
-            for (x, &o) in sc.o[r * dv..(r + 1) * dv].iter().enumerate() {
-                // SAFETY: (seq, head, i) is owned by this work item alone; `dst + x` lies inside
-                // the validated, non-overlapping `out` view.
-                unsafe { self.out.write(dst + x, T::from_f32(o * inv)) };
-            }
+            let o = &mut sc.o[r * dv..(r + 1) * dv];
+            o.iter_mut().for_each(|x| *x *= inv);
+            // SAFETY: row (seq, head, i) is owned by this work item alone; its `dv` elements are
+            // contiguous (unit last stride) inside the validated, non-overlapping `out` view.
+            T::narrow_slice(o, unsafe { self.out.slice_mut(dst, dv) });
             // SAFETY: as above, for the lse entry of (seq, head, i).
             unsafe { self.lse.write(g.lse_index(seq, head, i), lse) };
         }

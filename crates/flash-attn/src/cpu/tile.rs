@@ -53,30 +53,10 @@ pub(super) fn load_rows<T: Element>(
 ) {
     for (r, i) in rows.enumerate() {
         let at = layout.row(seq, start, i, head);
-        for (d, x) in dst[r * dim..(r + 1) * dim].iter_mut().zip(&src[at..at + dim]) {
-            *d = x.to_f32() * mult;
-        }
-    }
-}
-
-/// Copies rows `rows` of head `head` transposed into `dst`: element `x` of row `r` goes to
-/// `dst[x * ld + r]` (so `Kᵀ` has contiguous rows for [`gemm`]).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn load_rows_transposed<T: Element>(
-    dst: &mut [f32],
-    ld: usize,
-    src: &[T],
-    layout: RowLayout,
-    seq: &Sequence,
-    start: usize,
-    rows: Range<usize>,
-    head: usize,
-    dim: usize,
-) {
-    for (r, i) in rows.enumerate() {
-        let at = layout.row(seq, start, i, head);
-        for (x, v) in src[at..at + dim].iter().enumerate() {
-            dst[x * ld + r] = v.to_f32();
+        let row = &mut dst[r * dim..(r + 1) * dim];
+        T::widen_slice(&src[at..at + dim], row);
+        if mult != 1.0 {
+            row.iter_mut().for_each(|x| *x *= mult);
         }
     }
 }
