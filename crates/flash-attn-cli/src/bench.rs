@@ -1,9 +1,11 @@
-//! `flash-attn bench`: time, FLOP/s and peak extra memory of the forward pass (BENCH.md).
+//! `flash-attn bench`: time, FLOP/s and peak extra memory of the forward pass and, with
+//! `--backward`, of one forward plus one backward (BENCH.md).
 //!
-//! Inputs are made and outputs allocated before timing; each time is the median of at least
-//! [`MIN_RUNS`] timed calls of `flash_attn::forward_into` after a warm-up call, with more runs for
-//! short shapes (until about [`TIME_BUDGET`] of timing). Peak extra memory is measured on the
-//! warm-up call with the counting allocator of [`crate::alloc`].
+//! Inputs (and `dout`) are made and outputs and gradients allocated before timing; each time is
+//! the median of at least [`MIN_RUNS`] timed calls after a warm-up call, with more runs for short
+//! shapes (until about [`TIME_BUDGET`] of timing): `flash_attn::forward_into` alone, then
+//! `forward_into` followed by `backward_into`. Peak extra memory is measured on the warm-up calls
+//! (the forward's, then the backward's alone) with the counting allocator of [`crate::alloc`].
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -15,7 +17,7 @@ use half::{bf16, f16};
 
 use crate::progress::Progress;
 use crate::run::zeroed;
-use crate::{alloc, CliError, Device, Result};
+use crate::{alloc, Device, Result};
 
 /// Fewest timed runs behind a median.
 const MIN_RUNS: usize = 5;
@@ -51,7 +53,8 @@ pub struct BenchArgs {
     #[arg(long, requires = "shape")]
     causal: bool,
 
-    /// Time one forward plus one backward (not implemented yet).
+    /// Also time one forward plus one backward (`fwdbwd_ms`), with FLOPs = 3.5 × forward, and
+    /// measure the backward's peak extra memory.
     #[arg(long)]
     backward: bool,
 
@@ -60,7 +63,7 @@ pub struct BenchArgs {
     json: bool,
 
     /// The memory table: our forward next to Algorithm 0, d = 64, one head, f32, N = 1k..64k.
-    #[arg(long, conflicts_with_all = ["shape", "json", "dtype", "causal"])]
+    #[arg(long, conflicts_with_all = ["shape", "json", "dtype", "causal", "backward"])]
     memory: bool,
 
     /// Longest sequence Algorithm 0 runs on in the memory table (it needs N² floats).
@@ -125,6 +128,14 @@ fn default_grid() -> Vec<Problem> {
     grid
 }
 
+impl Shape {
+    /// Shapes of `q`, `k`, `v` (DESIGN §2, fixed length).
+    fn qkv(&self) -> [[usize; 4]; 3] {
+        let Shape { b, hq, hk, sq, sk, d } = *self;
+        [[b, sq, hq, d], [b, sk, hk, d], [b, sk, hk, d]]
+    }
+}
+
 /// What one problem measured.
 #[derive(Debug, Clone, Copy)]
 struct Measurement {
@@ -134,16 +145,32 @@ struct Measurement {
     runs: usize,
     /// FLOP/s at the median, FlashAttention's count.
     gflops: f64,
-    /// Peak heap bytes of one call beyond what was live before it.
+    /// Peak heap bytes of one forward call beyond what was live before it.
     peak_extra: usize,
+    /// One forward plus one backward, with `--backward`.
+    fwdbwd: Option<FwdBwd>,
 }
+
+/// What the forward+backward timing of one problem measured.
+#[derive(Debug, Clone, Copy)]
+struct FwdBwd {
+    /// Median time of one forward plus one backward.
+    ms: f64,
+    /// Timed runs behind the median.
+    runs: usize,
+    /// FLOP/s at the median, with FLOPs = 3.5 × forward (BENCH.md).
+    gflops: f64,
+    /// Peak heap bytes of one backward call beyond what was live before it (its inputs and the
+    /// preallocated gradients not counted): the `f32` dQ accumulator, `D` and scratch.
+    bwd_peak_extra: usize,
+}
+
+/// Forward+backward FLOPs relative to the forward's (BENCH.md: backward = 2.5 × forward).
+const FWDBWD_FLOPS_FACTOR: f64 = 3.5;
 
 /// Runs `flash-attn bench`.
 pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     args.device.ensure_available()?;
-    if args.backward {
-        return Err(CliError::new("forward+backward timing (`--backward`) is not implemented yet"));
-    }
     warm_up()?;
     if args.memory {
         return memory_table(args.naive_max);
@@ -157,28 +184,55 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     let mut rows = Vec::new();
     for p in &problems {
         progress.set_message(p.label());
-        let m = measure(args.dtype, p, &progress, MIN_RUNS)?;
+        let m = measure(args.dtype, p, &progress, MIN_RUNS, args.backward)?;
         if args.json {
             progress.suspend(|| println!("{}", json_line(args.device, args.dtype, p, &m)));
         }
-        rows.push(vec![
+        let mut row = vec![
             p.label(),
             if p.causal { "yes" } else { "no" }.to_owned(),
             fmt_ms(m.fwd_ms),
             format!("{:.1}", m.gflops),
             fmt_bytes(m.peak_extra),
-        ]);
+        ];
+        if let Some(fb) = m.fwdbwd {
+            row.extend([fmt_ms(fb.ms), format!("{:.1}", fb.gflops), fmt_bytes(fb.bwd_peak_extra)]);
+        }
+        rows.push(row);
         progress.inc();
     }
     drop(progress);
     if !args.json {
         println!(
-            "forward, {} {}, {} threads available; time = median of >= {MIN_RUNS} runs after a warm-up",
+            "{}, {} {}, {} threads available; time = median of >= {MIN_RUNS} runs after a warm-up",
+            if args.backward { "forward and forward+backward" } else { "forward" },
             args.device.name(),
             args.dtype,
             std::thread::available_parallelism().map_or(1, |n| n.get())
         );
-        print_table(&["b×hq×s×d", "causal", "time ms", "GFLOP/s", "peak extra"], &rows);
+        if args.backward {
+            print_table(
+                &[
+                    "b×hq×s×d",
+                    "causal",
+                    "fwd ms",
+                    "fwd GFLOP/s",
+                    "fwd peak extra",
+                    "fwd+bwd ms",
+                    "fwd+bwd GFLOP/s",
+                    "bwd peak extra",
+                ],
+                &rows,
+            );
+            println!();
+            println!(
+                "fwd+bwd: one forward_into then one backward_into, FLOPs = {FWDBWD_FLOPS_FACTOR} × forward. \
+                 bwd peak extra: heap of one backward call beyond its inputs and preallocated dq/dk/dv \
+                 (the f32 dQ accumulator, D = rowsum(dO ∘ O) and per-thread scratch)."
+            );
+        } else {
+            print_table(&["b×hq×s×d", "causal", "time ms", "GFLOP/s", "peak extra"], &rows);
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -191,11 +245,11 @@ fn warm_up() -> Result<()> {
     Ok(())
 }
 
-fn measure(dtype: DType, p: &Problem, progress: &Progress, min_runs: usize) -> Result<Measurement> {
+fn measure(dtype: DType, p: &Problem, progress: &Progress, min_runs: usize, backward: bool) -> Result<Measurement> {
     match dtype {
-        DType::F32 => measure_typed::<f32>(p, progress, min_runs),
-        DType::F16 => measure_typed::<f16>(p, progress, min_runs),
-        DType::BF16 => measure_typed::<bf16>(p, progress, min_runs),
+        DType::F32 => measure_typed::<f32>(p, progress, min_runs, backward),
+        DType::F16 => measure_typed::<f16>(p, progress, min_runs, backward),
+        DType::BF16 => measure_typed::<bf16>(p, progress, min_runs, backward),
     }
 }
 
@@ -209,51 +263,114 @@ fn random<T: Element>(name: &str, shape: &[usize], rng: &mut Rng) -> Result<Vec<
 /// Random q, k, v of `s`.
 fn inputs<T: Element>(s: Shape) -> Result<[Vec<T>; 3]> {
     let mut rng = Rng::new(0);
-    Ok([
-        random("q", &[s.b, s.sq, s.hq, s.d], &mut rng)?,
-        random("k", &[s.b, s.sk, s.hk, s.d], &mut rng)?,
-        random("v", &[s.b, s.sk, s.hk, s.d], &mut rng)?,
-    ])
+    let [qs, ks, vs] = s.qkv();
+    Ok([random("q", &qs, &mut rng)?, random("k", &ks, &mut rng)?, random("v", &vs, &mut rng)?])
 }
 
-fn measure_typed<T: Element>(p: &Problem, progress: &Progress, min_runs: usize) -> Result<Measurement> {
-    let s = p.shape;
-    let [q, k, v] = inputs::<T>(s)?;
-    let q = Tensor::new(&q, &[s.b, s.sq, s.hq, s.d]);
-    let k = Tensor::new(&k, &[s.b, s.sk, s.hk, s.d]);
-    let v = Tensor::new(&v, &[s.b, s.sk, s.hk, s.d]);
-    let spec = if p.causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
-    let geometry = spec.geometry(&q, &k, &v)?;
-    let out_shape = geometry.out_shape();
-    let mut out = zeroed::<T>("out", &out_shape)?;
-    let mut lse = zeroed::<f32>("lse", &geometry.lse_shape())?;
-    let mut out = TensorMut::new(&mut out, &out_shape);
-    let mut call = || -> Result<f64> {
-        let start = Instant::now();
-        flash_attn::forward_into(&spec, &q, &k, &v, &mut out, &mut lse)?;
-        Ok(start.elapsed().as_secs_f64() * 1e3)
-    };
+/// One problem ready to time: its inputs and spec, and the forward's outputs allocated up front.
+struct Prepared<'a, T> {
+    spec: AttentionSpec<'static>,
+    q: Tensor<'a, T>,
+    k: Tensor<'a, T>,
+    v: Tensor<'a, T>,
+    out: Vec<T>,
+    out_shape: Vec<usize>,
+    lse: Vec<f32>,
+}
 
-    // The warm-up call is the memory measurement, with progress redraws held back so that only
-    // the library's allocations count.
-    let (first, peak_extra) = progress.suspend(|| alloc::measure(&mut call));
-    first?;
+/// `dout` and the gradient buffers of the backward pass, allocated up front.
+struct Grads<T> {
+    dout: Vec<T>,
+    dq: Vec<T>,
+    dk: Vec<T>,
+    dv: Vec<T>,
+}
+
+impl<T: Element> Prepared<'_, T> {
+    /// One forward pass into the preallocated `out` and `lse`.
+    fn forward(&mut self) -> Result<()> {
+        let mut out = TensorMut::new(&mut self.out, &self.out_shape);
+        flash_attn::forward_into(&self.spec, &self.q, &self.k, &self.v, &mut out, &mut self.lse)?;
+        Ok(())
+    }
+
+    /// One backward pass of the last forward, into the preallocated gradients.
+    fn backward(&self, g: &mut Grads<T>) -> Result<()> {
+        let (qs, ks, vs) = (self.q.shape(), self.k.shape(), self.v.shape());
+        flash_attn::backward_into(
+            &self.spec,
+            &self.q,
+            &self.k,
+            &self.v,
+            &Tensor::new(&self.out, &self.out_shape),
+            &self.lse,
+            &Tensor::new(&g.dout, &self.out_shape),
+            &mut TensorMut::new(&mut g.dq, qs),
+            &mut TensorMut::new(&mut g.dk, ks),
+            &mut TensorMut::new(&mut g.dv, vs),
+        )?;
+        Ok(())
+    }
+}
+
+/// Median time in ms of `call` and the number of timed runs: at least `min_runs`, more while
+/// within [`TIME_BUDGET`] (at most [`MAX_RUNS`]).
+fn time_calls(min_runs: usize, mut call: impl FnMut() -> Result<()>) -> Result<(f64, usize)> {
     let mut times = Vec::with_capacity(MAX_RUNS);
     let start = Instant::now();
     while times.len() < min_runs || (start.elapsed() < TIME_BUDGET && times.len() < MAX_RUNS) {
-        times.push(call()?);
+        let t = Instant::now();
+        call()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let fwd_ms = median(&mut times);
-    Ok(Measurement { fwd_ms, runs: times.len(), gflops: geometry.flops() / (fwd_ms * 1e6), peak_extra })
+    Ok((median(&mut times), times.len()))
+}
+
+fn measure_typed<T: Element>(p: &Problem, progress: &Progress, min_runs: usize, backward: bool) -> Result<Measurement> {
+    let s = p.shape;
+    let [q, k, v] = inputs::<T>(s)?;
+    let [qs, ks, vs] = s.qkv();
+    let (q, k, v) = (Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &vs));
+    let spec = if p.causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    let geometry = spec.geometry(&q, &k, &v)?;
+    let out_shape = geometry.out_shape();
+    let out = zeroed::<T>("out", &out_shape)?;
+    let lse = zeroed::<f32>("lse", &geometry.lse_shape())?;
+    let mut prepared = Prepared { spec, q, k, v, out, out_shape, lse };
+
+    // The warm-up calls are the memory measurements, with progress redraws held back so that only
+    // the library's allocations count.
+    let (first, peak_extra) = progress.suspend(|| alloc::measure(|| prepared.forward()));
+    first?;
+    let (fwd_ms, runs) = time_calls(min_runs, || prepared.forward())?;
+    let flops = geometry.flops();
+
+    let fwdbwd = if backward {
+        let mut grads = Grads {
+            dout: random("dout", &prepared.out_shape, &mut Rng::new(1))?,
+            dq: zeroed("dq", &qs)?,
+            dk: zeroed("dk", &ks)?,
+            dv: zeroed("dv", &vs)?,
+        };
+        let (first, bwd_peak_extra) = progress.suspend(|| alloc::measure(|| prepared.backward(&mut grads)));
+        first?;
+        let (ms, runs) = time_calls(min_runs, || {
+            prepared.forward()?;
+            prepared.backward(&mut grads)
+        })?;
+        Some(FwdBwd { ms, runs, gflops: FWDBWD_FLOPS_FACTOR * flops / (ms * 1e6), bwd_peak_extra })
+    } else {
+        None
+    };
+    Ok(Measurement { fwd_ms, runs, gflops: flops / (fwd_ms * 1e6), peak_extra, fwdbwd })
 }
 
 /// Algorithm 0 (`flash_attn::reference::naive`, f32): time of one call and its peak extra bytes
 /// beyond its own result buffers.
 fn measure_naive(s: Shape, progress: &Progress) -> Result<(f64, usize)> {
     let [q, k, v] = inputs::<f32>(s)?;
-    let q = Tensor::new(&q, &[s.b, s.sq, s.hq, s.d]);
-    let k = Tensor::new(&k, &[s.b, s.sk, s.hk, s.d]);
-    let v = Tensor::new(&v, &[s.b, s.sk, s.hk, s.d]);
+    let [qs, ks, vs] = s.qkv();
+    let (q, k, v) = (Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &vs));
     let spec = AttentionSpec::new();
     let ((result, ms), extra) = progress.suspend(|| {
         alloc::measure(|| {
@@ -274,7 +391,7 @@ fn memory_table(naive_max: usize) -> Result<ExitCode> {
     for n in MEMORY_SEQLENS {
         progress.set_message(format!("N = {n}"));
         let shape = Shape { b: 1, hq: 1, hk: 1, sq: n, sk: n, d: MEMORY_D };
-        let ours = measure_typed::<f32>(&Problem { shape, causal: false }, &progress, MEMORY_MIN_RUNS)?;
+        let ours = measure_typed::<f32>(&Problem { shape, causal: false }, &progress, MEMORY_MIN_RUNS, false)?;
         let (naive_mem, naive_time) = if n <= naive_max {
             let (ms, bytes) = measure_naive(shape, &progress)?;
             (fmt_bytes(bytes), fmt_time(ms))
@@ -321,12 +438,23 @@ fn median(xs: &mut [f64]) -> f64 {
     }
 }
 
-/// One JSON line of the BENCH.md contract.
+/// One JSON line of the BENCH.md contract; with a forward+backward measurement also
+/// `fwdbwd_ms`, `fwdbwd_gflops`, `bwd_peak_extra_bytes` and `fwdbwd_runs`.
 fn json_line(device: Device, dtype: DType, p: &Problem, m: &Measurement) -> String {
     let s = p.shape;
+    let fwdbwd = match m.fwdbwd {
+        Some(fb) => format!(
+            ",\"fwdbwd_ms\":{},\"fwdbwd_gflops\":{},\"bwd_peak_extra_bytes\":{},\"fwdbwd_runs\":{}",
+            json_number(fb.ms),
+            json_number(fb.gflops),
+            fb.bwd_peak_extra,
+            fb.runs
+        ),
+        None => String::new(),
+    };
     format!(
         "{{\"device\":\"{}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hk\":{},\"sq\":{},\"sk\":{},\"d\":{},\
-         \"causal\":{},\"fwd_ms\":{},\"gflops\":{},\"peak_extra_bytes\":{},\"runs\":{}}}",
+         \"causal\":{},\"fwd_ms\":{},\"gflops\":{},\"peak_extra_bytes\":{},\"runs\":{}{fwdbwd}}}",
         device.name(),
         dtype.name(),
         s.b,
@@ -462,7 +590,7 @@ mod tests {
     #[test]
     fn json_line_has_the_contract_keys() {
         let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: true };
-        let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: f64::INFINITY, peak_extra: 42 };
+        let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: f64::INFINITY, peak_extra: 42, fwdbwd: None };
         let line = json_line(Device::Cpu, DType::BF16, &p, &m);
         for key in
             ["device", "dtype", "b", "hq", "hk", "sq", "sk", "d", "causal", "fwd_ms", "gflops", "peak_extra_bytes"]
@@ -470,5 +598,18 @@ mod tests {
             assert!(line.contains(&format!("\"{key}\":")), "{key} missing in {line}");
         }
         assert!(line.contains("\"gflops\":null") && line.contains("\"causal\":true"));
+        assert!(!line.contains("fwdbwd"), "{line}");
+    }
+
+    #[test]
+    fn json_line_with_backward_adds_fwdbwd_and_stays_one_object() {
+        let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: false };
+        let fwdbwd = Some(FwdBwd { ms: 4.25, runs: 5, gflops: 12.5, bwd_peak_extra: 4096 });
+        let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: 3.0, peak_extra: 42, fwdbwd };
+        let line = json_line(Device::Cpu, DType::F32, &p, &m);
+        assert!(line.contains("\"fwd_ms\":1.500000,"), "{line}");
+        assert!(line.contains("\"fwdbwd_ms\":4.250000,"), "{line}");
+        assert!(line.contains("\"bwd_peak_extra_bytes\":4096,"), "{line}");
+        assert!(line.starts_with('{') && line.ends_with("\"fwdbwd_runs\":5}") && !line.contains('\n'), "{line}");
     }
 }

@@ -1,10 +1,13 @@
 //! `flash-attn check`: random cases through a backend, compared with the f64 oracle under the
-//! numerics contract (DESIGN §2), via `flash_attn::check`.
+//! numerics contract (DESIGN §2), via `flash_attn::check`: the forward pass and, unless
+//! `--forward-only`, the backward pass, about a third of the cases with dropout.
 
+use std::fmt;
 use std::process::ExitCode;
 
 use clap::Args;
 use flash_attn::check::{Case, Rng};
+use flash_attn::Dropout;
 
 use crate::progress::Progress;
 use crate::{Device, Result};
@@ -23,10 +26,23 @@ pub struct CheckArgs {
     /// Backend to check.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
+
+    /// Check the forward pass only (no backward, no dropout).
+    #[arg(long)]
+    forward_only: bool,
 }
 
-/// Runs `flash-attn check`: prints each failing case and a closing `N passed, M failed`; exit
-/// code 1 if any case failed.
+/// Share of the cases whose backward runs with dropout.
+const DROPOUT_SHARE: f64 = 1.0 / 3.0;
+/// Dropout probabilities drawn for those cases.
+const DROPOUT_PS: [f32; 3] = [0.1, 0.3, 0.5];
+/// Mixed into a case's seed to draw its dropout, so that the cases themselves (and the data
+/// behind them) are the same with and without `--forward-only`.
+const DROPOUT_STREAM: u64 = 0x0D60_9047_D60F_F5E7;
+
+/// Runs `flash-attn check`: prints each failing case and a closing `N passed, M failed`, where a
+/// case passes only if its forward and (unless `--forward-only`) its backward pass both meet the
+/// contract; exit code 1 if any case failed.
 pub fn main(args: &CheckArgs) -> Result<ExitCode> {
     args.device.ensure_available()?;
     let mut rng = Rng::new(args.seed);
@@ -34,21 +50,76 @@ pub fn main(args: &CheckArgs) -> Result<ExitCode> {
     let (mut passed, mut failed) = (0usize, 0usize);
     for n in 0..args.cases {
         let case = Case::random(&mut rng);
-        let failure = match case.run_cpu() {
-            Ok(report) if report.passed() => None,
-            Ok(report) => Some(report.to_string()),
-            Err(e) => Some(format!("error: {e}")),
-        };
-        match failure {
-            None => passed += 1,
-            Some(why) => {
-                failed += 1;
-                progress.suspend(|| println!("FAILED case {n}: {case}: {why}"));
+        let dropout = if args.forward_only { None } else { random_dropout(&case) };
+        let mut failures = Vec::new();
+        match case.run_cpu() {
+            Ok(report) if report.passed() => {}
+            Ok(report) => failures.push(format!("forward: {report}")),
+            Err(e) => failures.push(format!("forward: error: {e}")),
+        }
+        if !args.forward_only {
+            match case.run_cpu_backward(dropout) {
+                Ok(report) if report.passed() => {}
+                Ok(report) => failures.push(format!("backward: {report}")),
+                Err(e) => failures.push(format!("backward: error: {e}")),
             }
+        }
+        if failures.is_empty() {
+            passed += 1;
+        } else {
+            failed += 1;
+            let dropout = DropoutLabel(dropout);
+            progress.suspend(|| println!("FAILED case {n}: {case}{dropout}: {}", failures.join("; ")));
         }
         progress.inc();
     }
     drop(progress);
     println!("{passed} passed, {failed} failed");
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// Dropout for the backward pass of `case`: on for about [`DROPOUT_SHARE`] of the cases, with `p`
+/// from [`DROPOUT_PS`] and a random seed and offset, all drawn from the case's own seed.
+fn random_dropout(case: &Case) -> Option<Dropout> {
+    let mut rng = Rng::new(case.seed ^ DROPOUT_STREAM);
+    if !rng.chance(DROPOUT_SHARE) {
+        return None;
+    }
+    let p = rng.pick(&DROPOUT_PS);
+    let seed = rng.next_u64();
+    // The offset is 32 bits: keep the high half of a draw.
+    let offset = (rng.next_u64() >> 32) as u32;
+    Some(Dropout { p, seed, offset })
+}
+
+/// ` dropout(p=…, seed=…, offset=…)` after a case's description, or nothing.
+struct DropoutLabel(Option<Dropout>);
+
+impl fmt::Display for DropoutLabel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(d) => write!(f, " dropout(p={}, seed={}, offset={})", d.p, d.seed, d.offset),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn about_a_third_of_the_cases_get_dropout_with_the_listed_probabilities() {
+        let mut rng = Rng::new(1);
+        let drawn: Vec<Option<Dropout>> = (0..600).map(|_| random_dropout(&Case::random(&mut rng))).collect();
+        let on = drawn.iter().flatten().count();
+        assert!((150..250).contains(&on), "{on} of 600");
+        assert!(drawn.iter().flatten().all(|d| DROPOUT_PS.contains(&d.p)));
+    }
+
+    #[test]
+    fn a_case_always_gets_the_same_dropout() {
+        let case = Case::random(&mut Rng::new(5));
+        assert_eq!(random_dropout(&case), random_dropout(&case));
+    }
 }

@@ -39,7 +39,8 @@ enum Command {
     Run(run::RunArgs),
     /// Compare the backend with the f64 oracle on random cases (the numerics contract).
     Check(check::CheckArgs),
-    /// Time the forward pass: one shape, the default grid, or the memory table.
+    /// Time the forward pass (and with `--backward` forward+backward): one shape, the default
+    /// grid, or the memory table.
     Bench(bench::BenchArgs),
     /// Print the HBM-access model: Algorithm 0 vs FlashAttention for N, d and SRAM size M.
     Io(io::IoArgs),

@@ -1,10 +1,11 @@
-//! `flash-attn run`: attention on the tensors of a safetensors file (DESIGN §5).
+//! `flash-attn run`: attention on the tensors of a safetensors file (DESIGN §5): the forward pass,
+//! optionally with dropout, and with `--backward` the gradients of a given `dout`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use flash_attn::{AttentionSpec, DType, Element, Tensor, TensorMut};
+use flash_attn::{AttentionSpec, DType, Dropout, Element, Tensor, TensorMut};
 use half::{bf16, f16};
 use safetensors::Dtype;
 
@@ -17,11 +18,12 @@ use crate::{CliError, Device, Result};
 pub struct RunArgs {
     /// safetensors file with `q`, `k`, `v` (F32, F16 or BF16); optional `cu_seqlens_q` and
     /// `cu_seqlens_k` (I32, packed varlen), `alibi_slopes` (F32 [hq] or [b, hq]), `block_mask`
-    /// (U8 or BOOL, nonzero = visible).
+    /// (U8 or BOOL, nonzero = visible); `dout` (dtype of q, shape of out) for `--backward`.
     #[arg(long, value_name = "IN.safetensors")]
     input: PathBuf,
 
-    /// File to write `out` (dtype of q) and `lse` (F32) to; untouched if anything fails.
+    /// File to write `out` (dtype of q) and `lse` (F32) to, with `--backward` also `dq`, `dk`,
+    /// `dv`; untouched if anything fails.
     #[arg(long, value_name = "OUT.safetensors")]
     output: PathBuf,
 
@@ -53,15 +55,23 @@ pub struct RunArgs {
     #[arg(long, value_name = "BQ,BK", value_parser = parse_pair::<usize>)]
     block_size: Option<(usize, usize)>,
 
-    /// Dropout probability (not implemented yet).
+    /// Dropout probability P in [0, 1) (training): each attention probability is kept with
+    /// probability 1 - P and scaled by 1/(1 - P), the keep mask drawn from Philox4x32-10 keyed by
+    /// `--seed` and `--offset`. P > 0 needs `--seed`.
     #[arg(long, value_name = "P", allow_hyphen_values = true)]
     dropout: Option<f32>,
 
-    /// Dropout seed (not implemented yet).
-    #[arg(long, value_name = "N", requires = "dropout")]
+    /// Key of the dropout mask (0 ..= 2^64 - 1); required with `--dropout P` for P > 0.
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
     seed: Option<u64>,
 
-    /// Also run the backward pass on `dout` and write `dq`, `dk`, `dv` (not implemented yet).
+    /// Counter offset of the dropout mask (0 ..= 2^32 - 1, default 0): give each dropout call
+    /// that shares a seed its own.
+    #[arg(long, value_name = "K", allow_hyphen_values = true)]
+    offset: Option<u32>,
+
+    /// Also run the backward pass on the input's `dout` (dtype of q, shape of out) and write
+    /// `dq`, `dk`, `dv` (dtype of q; shapes of q, k, v).
     #[arg(long)]
     backward: bool,
 }
@@ -79,18 +89,39 @@ where
 /// Runs `flash-attn run`.
 pub fn main(args: &RunArgs) -> Result<ExitCode> {
     args.device.ensure_available()?;
-    if args.dropout.is_some() {
-        return Err(CliError::new("dropout (`--dropout`) is not implemented yet"));
-    }
-    if args.backward {
-        return Err(CliError::new("the backward pass (`--backward`) is not implemented yet"));
-    }
-    let _spinner = Progress::spinner("attention");
+    let dropout = dropout_setting(args)?;
+    let _spinner = Progress::spinner(if args.backward { "attention forward + backward" } else { "attention" });
     let bytes = safetensors_io::read_file(&args.input)?;
     let input = Input::parse(&bytes, &args.input)?;
-    let outputs = forward(args, &input)?;
+    let outputs = attend(args, dropout, &input)?;
     safetensors_io::write_atomically(&args.output, &outputs)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The dropout of `--dropout`, `--seed` and `--offset`, checked before any file is read.
+///
+/// The seed is required for `P > 0` rather than defaulted: a mask that silently repeats across
+/// runs is rarely what a training step wants, and a caller that runs the backward pass later must
+/// pass the same seed and offset to regenerate the same mask.
+fn dropout_setting(args: &RunArgs) -> Result<Option<Dropout>> {
+    let Some(p) = args.dropout else {
+        return match (args.seed, args.offset) {
+            (None, None) => Ok(None),
+            (Some(_), _) => Err(CliError::new("`--seed` keys the dropout mask; it needs `--dropout P`")),
+            (None, Some(_)) => Err(CliError::new("`--offset` offsets the dropout mask; it needs `--dropout P`")),
+        };
+    };
+    // The library checks this too, but only once the inputs are read; a bad flag should not wait
+    // for a large file.
+    if !(p.is_finite() && (0.0..1.0).contains(&p)) {
+        return Err(flash_attn::Error::Dropout(p).into());
+    }
+    let offset = args.offset.unwrap_or(0);
+    match args.seed {
+        Some(seed) => Ok(Some(Dropout { p, seed, offset })),
+        None if p == 0.0 => Ok(Some(Dropout { p, seed: 0, offset })),
+        None => Err(CliError::new(format!("`--dropout {p}` needs `--seed N`, the key of the dropout mask"))),
+    }
 }
 
 /// The element type of `q`, `k` and `v`, which must agree.
@@ -119,11 +150,11 @@ fn input_dtype(input: &Input<'_>) -> Result<DType> {
     dtype.ok_or_else(|| CliError::new("no input tensors"))
 }
 
-fn forward(args: &RunArgs, input: &Input<'_>) -> Result<Vec<(&'static str, OwnedTensor)>> {
+fn attend(args: &RunArgs, dropout: Option<Dropout>, input: &Input<'_>) -> Result<Vec<(&'static str, OwnedTensor)>> {
     match input_dtype(input)? {
-        DType::F32 => forward_typed::<f32>(args, input),
-        DType::F16 => forward_typed::<f16>(args, input),
-        DType::BF16 => forward_typed::<bf16>(args, input),
+        DType::F32 => attend_typed::<f32>(args, dropout, input),
+        DType::F16 => attend_typed::<f16>(args, dropout, input),
+        DType::BF16 => attend_typed::<bf16>(args, dropout, input),
     }
 }
 
@@ -189,15 +220,8 @@ fn read_extras(args: &RunArgs, input: &Input<'_>) -> Result<Extras> {
     Ok(Extras { cu_seqlens, alibi, block_mask })
 }
 
-fn forward_typed<T: Element + LeScalar>(args: &RunArgs, input: &Input<'_>) -> Result<Vec<(&'static str, OwnedTensor)>> {
-    let views = [input.require("q")?, input.require("k")?, input.require("v")?];
-    let [q, k, v] = [
-        safetensors_io::decode::<T>("q", &views[0])?,
-        safetensors_io::decode::<T>("k", &views[1])?,
-        safetensors_io::decode::<T>("v", &views[2])?,
-    ];
-    let extras = read_extras(args, input)?;
-
+/// The spec the flags and the file's optional tensors describe.
+fn spec<'a>(args: &RunArgs, extras: &'a Extras, dropout: Option<Dropout>) -> AttentionSpec<'a> {
     let mut spec = AttentionSpec::new();
     if args.causal {
         spec = spec.causal();
@@ -223,17 +247,90 @@ fn forward_typed<T: Element + LeScalar>(args: &RunArgs, input: &Input<'_>) -> Re
     if let Some((cq, ck)) = &extras.cu_seqlens {
         spec = spec.varlen(cq, ck);
     }
+    if let Some(d) = dropout {
+        spec = spec.dropout(d.p, d.seed, d.offset);
+    }
+    spec
+}
 
-    let q = Tensor::new(&q, views[0].shape());
-    let k = Tensor::new(&k, views[1].shape());
-    let v = Tensor::new(&v, views[2].shape());
+/// `dout` of the file for `--backward`: present, and in the dtype of `q`.
+fn read_dout<T: LeScalar>(args: &RunArgs, input: &Input<'_>) -> Result<Owned<T>> {
+    let Some(view) = input.get("dout")? else {
+        return Err(CliError::new(format!(
+            "`--backward` needs the gradient of the output: `{}` has no tensor `dout` (dtype of `q`, shape of `out`)",
+            args.input.display()
+        )));
+    };
+    if view.dtype() != T::DTYPE {
+        return Err(CliError::new(format!(
+            "`dout` is {:?} but `q` is {:?}; `dout` must have the dtype of `q`",
+            view.dtype(),
+            T::DTYPE
+        )));
+    }
+    Ok(Owned { data: safetensors_io::decode::<T>("dout", &view)?, shape: view.shape().to_vec() })
+}
+
+/// Forward (with dropout if asked) and, with `--backward`, the backward pass by recomputation,
+/// into buffers allocated here so that running out of memory is an error, not an abort.
+fn attend_typed<T: Element + LeScalar>(
+    args: &RunArgs,
+    dropout: Option<Dropout>,
+    input: &Input<'_>,
+) -> Result<Vec<(&'static str, OwnedTensor)>> {
+    let views = [input.require("q")?, input.require("k")?, input.require("v")?];
+    let [q, k, v] = [
+        Owned { data: safetensors_io::decode::<T>("q", &views[0])?, shape: views[0].shape().to_vec() },
+        Owned { data: safetensors_io::decode::<T>("k", &views[1])?, shape: views[1].shape().to_vec() },
+        Owned { data: safetensors_io::decode::<T>("v", &views[2])?, shape: views[2].shape().to_vec() },
+    ];
+    let extras = read_extras(args, input)?;
+    let dout = if args.backward { Some(read_dout::<T>(args, input)?) } else { None };
+    let spec = spec(args, &extras, dropout);
+
+    let (q, k, v) = (q.view(), k.view(), v.view());
     let geometry = spec.geometry(&q, &k, &v)?;
     let out_shape = geometry.out_shape();
     let lse_shape = geometry.lse_shape();
+    // Checked before the forward runs, so that a wrong `dout` costs no compute.
+    if let Some(dout) = &dout {
+        if dout.shape != out_shape {
+            return Err(CliError::new(format!(
+                "`dout` has shape {:?} but `out` has shape {out_shape:?}; `dout` must have the shape of `out`",
+                dout.shape
+            )));
+        }
+    }
     let mut out = zeroed::<T>("out", &out_shape)?;
     let mut lse = zeroed::<f32>("lse", &lse_shape)?;
     flash_attn::forward_into(&spec, &q, &k, &v, &mut TensorMut::new(&mut out, &out_shape), &mut lse)?;
-    Ok(vec![("out", OwnedTensor::encode(&out, &out_shape)), ("lse", OwnedTensor::encode(&lse, &lse_shape))])
+    let mut outputs =
+        vec![("out", OwnedTensor::encode(&out, &out_shape)), ("lse", OwnedTensor::encode(&lse, &lse_shape))];
+
+    if let Some(dout) = &dout {
+        // The gradients have the shapes of the (contiguous) inputs.
+        let mut dq = zeroed::<T>("dq", q.shape())?;
+        let mut dk = zeroed::<T>("dk", k.shape())?;
+        let mut dv = zeroed::<T>("dv", v.shape())?;
+        flash_attn::backward_into(
+            &spec,
+            &q,
+            &k,
+            &v,
+            &Tensor::new(&out, &out_shape),
+            &lse,
+            &dout.view(),
+            &mut TensorMut::new(&mut dq, q.shape()),
+            &mut TensorMut::new(&mut dk, k.shape()),
+            &mut TensorMut::new(&mut dv, v.shape()),
+        )?;
+        outputs.extend([
+            ("dq", OwnedTensor::encode(&dq, q.shape())),
+            ("dk", OwnedTensor::encode(&dk, k.shape())),
+            ("dv", OwnedTensor::encode(&dv, v.shape())),
+        ]);
+    }
+    Ok(outputs)
 }
 
 /// A zeroed buffer for a tensor of `shape`, or an error (not an abort) if it cannot be had.

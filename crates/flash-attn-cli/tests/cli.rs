@@ -1,13 +1,14 @@
 //! The `flash-attn` command as users and outside test suites see it (DESIGN §5, BENCH.md): `run`
-//! agrees with the oracle, every bad input is one line on stderr with exit code 2 and an untouched
-//! output file, `check` and `bench --json` print what their contracts say.
+//! (forward, dropout, `--backward`) agrees with the oracle, every bad input is one line on stderr
+//! with exit code 2 and an untouched output file, `check` and `bench --json` print what their
+//! contracts say.
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use flash_attn::check::{compare, Rng};
+use flash_attn::check::{compare, compare_with_magnitude, max_abs, Rng};
 use flash_attn::{AttentionSpec, Causal, Element, Tensor};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors, View};
@@ -164,6 +165,10 @@ impl<T: Element + Le> Inputs<T> {
         }
     }
 
+    fn views(&self) -> (Tensor<'_, T>, Tensor<'_, T>, Tensor<'_, T>) {
+        (Tensor::new(&self.q.0, &self.q.1), Tensor::new(&self.k.0, &self.k.1), Tensor::new(&self.v.0, &self.v.1))
+    }
+
     fn tensors(&self) -> Vec<(&'static str, Raw)> {
         let mut t =
             vec![("q", raw(&self.q.0, &self.q.1)), ("k", raw(&self.k.0, &self.k.1)), ("v", raw(&self.v.0, &self.v.1))];
@@ -190,6 +195,8 @@ struct Opts {
     softcap: Option<f32>,
     scale: Option<f32>,
     block_size: Option<(usize, usize)>,
+    /// `(p, seed, offset)`.
+    dropout: Option<(f32, u64, u32)>,
 }
 
 impl Opts {
@@ -216,7 +223,38 @@ impl Opts {
         if let Some((bq, bk)) = self.block_size {
             a.extend(["--block-size".to_owned(), format!("{bq},{bk}")]);
         }
+        if let Some((p, seed, offset)) = self.dropout {
+            a.extend(["--dropout".to_owned(), p.to_string(), "--seed".to_owned(), seed.to_string()]);
+            a.extend(["--offset".to_owned(), offset.to_string()]);
+        }
         a
+    }
+
+    /// The spec these options and the optional tensors of `inputs` describe.
+    fn spec<'a, T>(&self, inputs: &'a Inputs<T>) -> AttentionSpec<'a> {
+        let mut spec = AttentionSpec::new().causal_mode(self.causal);
+        if let Some((l, r, _)) = self.window {
+            spec = spec.window(l, r);
+        }
+        if let Some(c) = self.softcap {
+            spec = spec.softcap(c);
+        }
+        if let Some(s) = self.scale {
+            spec = spec.scale(s);
+        }
+        if let Some((slopes, shape)) = &inputs.alibi {
+            spec = spec.alibi_slopes(Tensor::new(slopes, shape));
+        }
+        if let (Some((mask, shape, _)), Some((bq, bk))) = (&inputs.block_mask, self.block_size) {
+            spec = spec.block_mask(Tensor::new(mask, shape), bq, bk);
+        }
+        if let Some((cq, ck)) = &inputs.cu_seqlens {
+            spec = spec.varlen(cq, ck);
+        }
+        if let Some((p, seed, offset)) = self.dropout {
+            spec = spec.dropout(p, seed, offset);
+        }
+        spec
     }
 }
 
@@ -236,58 +274,85 @@ fn run(input: &Path, output: &Path, extra: &[String]) -> Output {
     Command::new(BIN).args(&args).output().expect("run flash-attn")
 }
 
-/// Runs the binary on `inputs` with `opts` and checks `out` and `lse` against the f64 oracle under
-/// the numerics contract, plus their dtypes and shapes.
-fn assert_run_matches_oracle<T: Element + Le>(inputs: &Inputs<T>, opts: &Opts) {
+/// Runs the binary on `tensors` with `args` over an older output file, checks that it succeeds
+/// silently and leaves no temporary file, and returns the output file's bytes.
+fn run_ok(tensors: &[(&str, Raw)], args: &[String]) -> Vec<u8> {
     let dir = TempDir::new("ok");
     let (input, output) = (dir.path("in.safetensors"), dir.path("out.safetensors"));
-    save(&input, &inputs.tensors());
+    save(&input, tensors);
     std::fs::write(&output, b"an older output, to be replaced").expect("write old output");
-    let res = run(&input, &output, &opts.args());
+    let res = run(&input, &output, args);
     let stderr = String::from_utf8_lossy(&res.stderr);
-    assert!(res.status.success(), "args {:?}: {stderr}", opts.args());
+    assert!(res.status.success(), "args {args:?}: {stderr}");
+    assert!(stderr.is_empty(), "args {args:?}: {stderr}");
     assert_eq!(dir.files(), ["in.safetensors", "out.safetensors"], "no temporary files left behind");
+    std::fs::read(&output).expect("read output")
+}
 
-    let bytes = std::fs::read(&output).expect("read output");
-    let st = SafeTensors::deserialize(&bytes).expect("output is safetensors");
-    let (out, lse) = (st.tensor("out").expect("out"), st.tensor("lse").expect("lse"));
-    assert_eq!(out.dtype(), T::ST_DTYPE);
-    assert_eq!(lse.dtype(), Dtype::F32);
+/// The tensor `name` of an output file, checked for dtype and shape, widened to f64.
+fn output_tensor<T: Le + Element>(st: &SafeTensors<'_>, name: &str, shape: &[usize]) -> Vec<f64> {
+    let t = st.tensor(name).unwrap_or_else(|_| panic!("output has no `{name}`"));
+    assert_eq!(t.dtype(), T::ST_DTYPE, "dtype of `{name}`");
+    assert_eq!(t.shape(), shape, "shape of `{name}`");
+    decode::<T>(t.data()).iter().map(|x| x.to_f64()).collect()
+}
 
-    let q = Tensor::new(&inputs.q.0, &inputs.q.1);
-    let k = Tensor::new(&inputs.k.0, &inputs.k.1);
-    let v = Tensor::new(&inputs.v.0, &inputs.v.1);
-    let mut spec = AttentionSpec::new().causal_mode(opts.causal);
-    if let Some((l, r, _)) = opts.window {
-        spec = spec.window(l, r);
-    }
-    if let Some(c) = opts.softcap {
-        spec = spec.softcap(c);
-    }
-    if let Some(s) = opts.scale {
-        spec = spec.scale(s);
-    }
-    if let Some((slopes, shape)) = &inputs.alibi {
-        spec = spec.alibi_slopes(Tensor::new(slopes, shape));
-    }
-    if let (Some((mask, shape, _)), Some((bq, bk))) = (&inputs.block_mask, opts.block_size) {
-        spec = spec.block_mask(Tensor::new(mask, shape), bq, bk);
-    }
-    if let Some((cq, ck)) = &inputs.cu_seqlens {
-        spec = spec.varlen(cq, ck);
-    }
+/// Checks `out` and `lse` of an output file against the f64 oracle under the numerics contract.
+fn assert_forward_matches_oracle<T: Element + Le>(st: &SafeTensors<'_>, inputs: &Inputs<T>, opts: &Opts) {
+    let (q, k, v) = inputs.views();
+    let spec = opts.spec(inputs);
     let g = spec.geometry(&q, &k, &v).expect("valid problem");
-    assert_eq!(out.shape(), g.out_shape().as_slice());
+    let ours_out = output_tensor::<T>(st, "out", &g.out_shape());
+    let lse = st.tensor("lse").expect("lse");
+    assert_eq!(lse.dtype(), Dtype::F32);
     assert_eq!(lse.shape(), g.lse_shape().as_slice());
+    let ours_lse: Vec<f64> = decode::<f32>(lse.data()).iter().map(|&x| f64::from(x)).collect();
 
     let oracle = flash_attn::reference::forward(&spec, &q, &k, &v).expect("oracle");
     let naive = flash_attn::reference::naive(&spec, &q, &k, &v).expect("naive");
-    let ours_out: Vec<f64> = decode::<T>(out.data()).iter().map(|x| x.to_f64()).collect();
-    let ours_lse: Vec<f64> = decode::<f32>(lse.data()).iter().map(|&x| f64::from(x)).collect();
     let c_out = compare(&ours_out, &oracle.out, &naive.out, <T as Element>::DTYPE);
     let c_lse = compare(&ours_lse, &oracle.lse, &naive.lse, <T as Element>::DTYPE);
     assert!(c_out.passed(), "out: {c_out} (args {:?})", opts.args());
     assert!(c_lse.passed(), "lse: {c_lse} (args {:?})", opts.args());
+}
+
+/// Runs the binary on `inputs` with `opts` and checks `out` and `lse` against the f64 oracle under
+/// the numerics contract, plus their dtypes and shapes.
+fn assert_run_matches_oracle<T: Element + Le>(inputs: &Inputs<T>, opts: &Opts) {
+    let bytes = run_ok(&inputs.tensors(), &opts.args());
+    let st = SafeTensors::deserialize(&bytes).expect("output is safetensors");
+    assert_forward_matches_oracle(&st, inputs, opts);
+}
+
+/// Runs the binary with `--backward` on `inputs` plus a random `dout`, and checks `out`, `lse`
+/// and `dq`, `dk`, `dv` (dtype of q, shapes of q, k, v) against the f64 oracle under the numerics
+/// contract, the gradients' floor set by the largest oracle gradient.
+fn assert_backward_matches_oracle<T: Element + Le>(inputs: &Inputs<T>, opts: &Opts) {
+    let (q, k, v) = inputs.views();
+    let spec = opts.spec(inputs);
+    let out_shape = spec.geometry(&q, &k, &v).expect("valid problem").out_shape();
+    let dout: Vec<T> = normal(&mut Rng::new(0xD0), &out_shape);
+    let mut tensors = inputs.tensors();
+    tensors.push(("dout", raw(&dout, &out_shape)));
+    let mut args = opts.args();
+    args.push("--backward".into());
+    let bytes = run_ok(&tensors, &args);
+    let st = SafeTensors::deserialize(&bytes).expect("output is safetensors");
+    assert_forward_matches_oracle(&st, inputs, opts);
+
+    let dout = Tensor::new(&dout, &out_shape);
+    let oracle = flash_attn::reference::backward(&spec, &q, &k, &v, &dout).expect("oracle backward");
+    let naive = flash_attn::reference::naive_backward(&spec, &q, &k, &v, &dout).expect("naive backward");
+    let magnitude = max_abs(&oracle.dq).max(max_abs(&oracle.dk)).max(max_abs(&oracle.dv));
+    for (name, input_shape, oracle, naive) in [
+        ("dq", &inputs.q.1, &oracle.dq, &naive.dq),
+        ("dk", &inputs.k.1, &oracle.dk, &naive.dk),
+        ("dv", &inputs.v.1, &oracle.dv, &naive.dv),
+    ] {
+        let ours = output_tensor::<T>(&st, name, input_shape);
+        let c = compare_with_magnitude(&ours, oracle, naive, <T as Element>::DTYPE, magnitude);
+        assert!(c.passed(), "{name}: {c} (args {args:?})");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -351,6 +416,84 @@ fn run_block_mask_bool_per_head_matches_oracle() {
     inputs.block_mask = Some((mask, vec![2, 2, 4, 2], Dtype::BOOL));
     let opts = Opts { causal: Causal::BottomRight, block_size: Some((5, 10)), ..Opts::default() };
     assert_run_matches_oracle(&inputs, &opts);
+}
+
+// ---------------------------------------------------------------------------------------------
+// `run --dropout` and `run --backward` agree with the oracle
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn run_dropout_forward_matches_oracle_with_the_same_mask() {
+    let inputs = Inputs::<f32>::fixed(20, 2, (30, 41), (4, 2), (16, 16));
+    assert_run_matches_oracle(&inputs, &Opts { dropout: Some((0.3, 1234, 5)), ..Opts::default() });
+}
+
+#[test]
+fn run_dropout_varlen_causal_bf16_matches_oracle() {
+    let inputs = Inputs::<bf16>::varlen(21, &[(20, 31), (0, 4), (12, 12)], 4, 1, 32);
+    let opts = Opts { causal: Causal::BottomRight, dropout: Some((0.5, u64::MAX, u32::MAX)), ..Opts::default() };
+    assert_run_matches_oracle(&inputs, &opts);
+}
+
+#[test]
+fn dropout_mask_is_reproducible_and_keyed_by_seed_and_offset() {
+    let tensors = Inputs::<f32>::fixed(22, 1, (16, 16), (2, 2), (8, 8)).tensors();
+    let out = |dropout: &[&str]| {
+        let args: Vec<String> = dropout.iter().map(|s| s.to_string()).collect();
+        let bytes = run_ok(&tensors, &args);
+        let st = SafeTensors::deserialize(&bytes).expect("output is safetensors");
+        output_tensor::<f32>(&st, "out", &[1, 16, 2, 8])
+    };
+    let base = out(&["--dropout", "0.5", "--seed", "1"]);
+    assert_eq!(base, out(&["--dropout", "0.5", "--seed", "1", "--offset", "0"]), "same seed and offset");
+    assert_ne!(base, out(&["--dropout", "0.5", "--seed", "2"]), "another seed");
+    assert_ne!(base, out(&["--dropout", "0.5", "--seed", "1", "--offset", "1"]), "another offset");
+    assert_ne!(base, out(&[]), "no dropout");
+    assert_eq!(out(&[]), out(&["--dropout", "0"]), "p = 0 is no dropout and needs no seed");
+}
+
+#[test]
+fn run_backward_gqa_causal_f32_matches_oracle() {
+    let inputs = Inputs::<f32>::fixed(30, 2, (33, 47), (4, 2), (16, 24));
+    assert_backward_matches_oracle(&inputs, &Opts { causal: Causal::BottomRight, ..Opts::default() });
+}
+
+#[test]
+fn run_backward_softcap_scale_causal_top_left_f16_matches_oracle() {
+    let inputs = Inputs::<f16>::fixed(31, 1, (40, 70), (2, 1), (32, 32));
+    let opts = Opts { causal: Causal::TopLeft, softcap: Some(20.0), scale: Some(0.3), ..Opts::default() };
+    assert_backward_matches_oracle(&inputs, &opts);
+}
+
+#[test]
+fn run_backward_varlen_gqa_window_bf16_matches_oracle() {
+    let inputs = Inputs::<bf16>::varlen(32, &[(17, 30), (0, 5), (25, 25), (9, 3)], 4, 2, 32);
+    let opts = Opts { causal: Causal::BottomRight, window: Some((8, 0, true)), ..Opts::default() };
+    assert_backward_matches_oracle(&inputs, &opts);
+}
+
+#[test]
+fn run_backward_alibi_dropout_f32_matches_oracle() {
+    let mut inputs = Inputs::<f32>::fixed(33, 2, (30, 30), (4, 2), (16, 16));
+    inputs.alibi = Some(((0..8).map(|i| 0.05 * (i + 1) as f32).collect(), vec![2, 4]));
+    assert_backward_matches_oracle(&inputs, &Opts { dropout: Some((0.3, 42, 7)), ..Opts::default() });
+}
+
+#[test]
+fn run_backward_varlen_mqa_causal_dropout_matches_oracle() {
+    let inputs = Inputs::<f32>::varlen(34, &[(20, 31), (12, 12), (7, 0)], 6, 1, 16);
+    let opts = Opts { causal: Causal::BottomRight, dropout: Some((0.5, 9, 0)), ..Opts::default() };
+    assert_backward_matches_oracle(&inputs, &opts);
+}
+
+#[test]
+fn run_backward_block_mask_softcap_dropout_f16_matches_oracle() {
+    let mut inputs = Inputs::<f16>::fixed(35, 2, (20, 20), (2, 1), (16, 8));
+    // [b, hq, qb, kb] = [2, 2, 4, 2] for blocks of (5, 10).
+    let mask: Vec<u8> = (0..32).map(|i| u8::from(i % 5 != 0)).collect();
+    inputs.block_mask = Some((mask, vec![2, 2, 4, 2], Dtype::BOOL));
+    let opts = Opts { block_size: Some((5, 10)), softcap: Some(10.0), dropout: Some((0.1, 77, 3)), ..Opts::default() };
+    assert_backward_matches_oracle(&inputs, &opts);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -600,11 +743,63 @@ fn cuda_device_is_rejected_in_a_cpu_build() {
 }
 
 #[test]
-fn dropout_and_backward_are_not_implemented_yet() {
-    let line = assert_rejected(Content::Tensors(valid()), &["--dropout", "0.1", "--seed", "3"]);
-    assert!(line.contains("not implemented yet"), "{line}");
+fn backward_without_dout_is_rejected() {
     let line = assert_rejected(Content::Tensors(valid()), &["--backward"]);
-    assert!(line.contains("not implemented yet"), "{line}");
+    assert!(line.contains("`dout`"), "{line}");
+}
+
+#[test]
+fn dout_of_the_wrong_shape_is_rejected() {
+    // out is [1, 5, 4, 8].
+    for shape in [[1, 5, 4, 7], [1, 5, 2, 8], [1, 6, 4, 8]] {
+        let line = assert_rejected(Content::Tensors(with("dout", zeros_f32(&shape))), &["--backward"]);
+        assert!(line.contains("`dout`"), "{line}");
+    }
+    assert_rejected(Content::Tensors(with("dout", zeros_f32(&[5, 4, 8]))), &["--backward"]);
+}
+
+#[test]
+fn dout_of_the_wrong_dtype_is_rejected() {
+    let dout = vec![f16::from_f32(0.5); 5 * 4 * 8];
+    let line = assert_rejected(Content::Tensors(with("dout", raw(&dout, &[1, 5, 4, 8]))), &["--backward"]);
+    assert!(line.contains("`dout`") && line.contains("F16"), "{line}");
+    assert_rejected(Content::Tensors(with("dout", raw(&[0i32; 160], &[1, 5, 4, 8]))), &["--backward"]);
+}
+
+#[test]
+fn dropout_outside_zero_to_one_is_rejected() {
+    for p in ["1.0", "1", "-0.1", "nan", "NaN", "inf", "1.5"] {
+        let line = assert_rejected(Content::Tensors(valid()), &["--dropout", p, "--seed", "3"]);
+        assert!(line.contains("dropout"), "{line}");
+        assert_rejected(Content::Tensors(valid()), &["--dropout", p]);
+        assert_rejected(Content::Tensors(valid()), &["--dropout", p, "--seed", "3", "--backward"]);
+    }
+    assert_rejected(Content::Tensors(valid()), &["--dropout=-0.1", "--seed", "3"]);
+}
+
+#[test]
+fn malformed_dropout_is_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--dropout", "ten percent", "--seed", "3"]);
+}
+
+#[test]
+fn dropout_without_seed_is_rejected() {
+    let line = assert_rejected(Content::Tensors(valid()), &["--dropout", "0.1"]);
+    assert!(line.contains("--seed"), "{line}");
+    assert_rejected(Content::Tensors(valid()), &["--dropout", "0.1", "--offset", "4"]);
+}
+
+#[test]
+fn seed_or_offset_without_dropout_is_rejected() {
+    let line = assert_rejected(Content::Tensors(valid()), &["--seed", "3"]);
+    assert!(line.contains("--dropout"), "{line}");
+    assert_rejected(Content::Tensors(valid()), &["--offset", "3"]);
+}
+
+#[test]
+fn seed_and_offset_out_of_range_are_rejected() {
+    assert_rejected(Content::Tensors(valid()), &["--dropout", "0.1", "--seed", "-1"]);
+    assert_rejected(Content::Tensors(valid()), &["--dropout", "0.1", "--seed", "1", "--offset", "4294967296"]);
 }
 
 #[test]
@@ -617,8 +812,16 @@ fn conflicting_causal_flags_are_rejected() {
 // ---------------------------------------------------------------------------------------------
 
 #[test]
-fn check_reports_all_cases_passed() {
-    let res = flash_attn(&["check", "--cases", "20", "--seed", "7"]);
+fn check_reports_all_cases_passed_forward_and_backward() {
+    let res = flash_attn(&["check", "--cases", "10"]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{stdout}{}", String::from_utf8_lossy(&res.stderr));
+    assert_eq!(stdout.lines().last(), Some("10 passed, 0 failed"), "{stdout}");
+}
+
+#[test]
+fn check_forward_only_reports_all_cases_passed() {
+    let res = flash_attn(&["check", "--cases", "20", "--seed", "7", "--forward-only"]);
     let stdout = String::from_utf8_lossy(&res.stdout);
     assert!(res.status.success(), "{stdout}{}", String::from_utf8_lossy(&res.stderr));
     assert_eq!(stdout.lines().last(), Some("20 passed, 0 failed"), "{stdout}");
@@ -642,14 +845,20 @@ fn parse_flat_json(line: &str) -> Option<Vec<(String, String)>> {
         .collect()
 }
 
-#[test]
-fn bench_json_line_has_the_contract_keys() {
-    let res =
-        flash_attn(&["bench", "--device", "cpu", "--dtype", "bf16", "--shape", "1,2,1,64,80,32", "--causal", "--json"]);
+/// The last line of a successful `bench ... --json`, parsed.
+fn bench_json(args: &[&str]) -> (String, Vec<(String, String)>) {
+    let res = flash_attn(args);
     let stdout = String::from_utf8_lossy(&res.stdout);
     assert!(res.status.success(), "{stdout}{}", String::from_utf8_lossy(&res.stderr));
-    let line = stdout.lines().last().expect("a JSON line");
-    let fields = parse_flat_json(line).unwrap_or_else(|| panic!("not a flat JSON object: {line}"));
+    let line = stdout.lines().last().expect("a JSON line").to_owned();
+    let fields = parse_flat_json(&line).unwrap_or_else(|| panic!("not a flat JSON object: {line}"));
+    (line, fields)
+}
+
+#[test]
+fn bench_json_line_has_the_contract_keys() {
+    let (line, fields) =
+        bench_json(&["bench", "--device", "cpu", "--dtype", "bf16", "--shape", "1,2,1,64,80,32", "--causal", "--json"]);
     let get = |k: &str| fields.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
     for key in ["device", "dtype", "b", "hq", "hk", "sq", "sk", "d", "causal", "fwd_ms", "gflops", "peak_extra_bytes"] {
         assert!(get(key).is_some(), "key {key} missing in {line}");
@@ -660,15 +869,43 @@ fn bench_json_line_has_the_contract_keys() {
     assert_eq!((get("sq"), get("sk"), get("d")), (Some("64"), Some("80"), Some("32")));
     assert_eq!(get("causal"), Some("true"));
     assert!(get("fwd_ms").is_some_and(|v| v.parse::<f64>().is_ok()), "{line}");
+    assert!(get("fwdbwd_ms").is_none(), "{line}");
 }
 
 #[test]
-fn bench_rejects_backward_and_cuda_for_now() {
-    for args in [&["bench", "--shape", "1,1,1,16,16,16", "--backward"][..], &["bench", "--device", "cuda"][..]] {
-        let res = flash_attn(args);
-        assert_eq!(res.status.code(), Some(2));
-        assert_eq!(String::from_utf8_lossy(&res.stderr).lines().count(), 1);
+fn bench_backward_json_line_adds_fwdbwd_ms() {
+    let (line, fields) = bench_json(&["bench", "--dtype", "f16", "--shape", "1,4,2,48,64,32", "--backward", "--json"]);
+    let get = |k: &str| fields.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+    for key in ["fwd_ms", "fwdbwd_ms", "fwdbwd_gflops", "bwd_peak_extra_bytes"] {
+        let value = get(key).and_then(|v| v.parse::<f64>().ok());
+        assert!(value.is_some_and(|x| x > 0.0), "{key} missing or not positive in {line}");
     }
+    assert_eq!(get("causal"), Some("false"));
+}
+
+#[test]
+fn bench_backward_table_has_forward_and_backward_columns() {
+    let res = flash_attn(&["bench", "--shape", "1,2,2,32,32,16", "--causal", "--backward"]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{stdout}{}", String::from_utf8_lossy(&res.stderr));
+    let header = stdout.lines().find(|l| l.starts_with("| b×hq×s×d")).unwrap_or_else(|| panic!("no table: {stdout}"));
+    for column in ["fwd ms", "fwd+bwd ms", "fwd+bwd GFLOP/s", "bwd peak extra"] {
+        assert!(header.contains(column), "{column} missing in {header}");
+    }
+}
+
+#[test]
+fn bench_rejects_cuda_in_a_cpu_build() {
+    let res = flash_attn(&["bench", "--device", "cuda"]);
+    assert_eq!(res.status.code(), Some(2));
+    assert_eq!(String::from_utf8_lossy(&res.stderr).lines().count(), 1);
+}
+
+#[test]
+fn bench_rejects_backward_with_the_memory_table() {
+    let res = flash_attn(&["bench", "--memory", "--backward"]);
+    assert_eq!(res.status.code(), Some(2));
+    assert_eq!(String::from_utf8_lossy(&res.stderr).lines().count(), 1);
 }
 
 #[test]
