@@ -12,7 +12,7 @@
 use rayon::prelude::*;
 
 use super::blocking::Tiles;
-use super::gemm::gemm;
+use super::gemm::{gemm, gemm_ta};
 use super::tile::{load_rows, score_tile, transpose, ScoreMod};
 use super::vexp::exp2_sub_sum;
 use super::Sink;
@@ -49,8 +49,6 @@ pub(super) struct Scratch {
     kt: Vec<f32>,
     v: Vec<f32>,
     vt: Vec<f32>,
-    /// `Pᵀ` / `P'ᵀ` / `dSᵀ`, `Bc × Br`.
-    t: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
 }
@@ -73,7 +71,6 @@ impl Scratch {
             kt: vec![0.0; d * t.bc],
             v: vec![0.0; t.bc * dv],
             vt: vec![0.0; dv * t.bc],
-            t: vec![0.0; t.bc * t.br],
             dk: vec![0.0; t.bc * d],
             dv: vec![0.0; t.bc * dv],
         }
@@ -162,7 +159,7 @@ impl<T: Element> Context<'_, T> {
         if class == TileClass::Skip {
             return;
         }
-        let Tiles { br, bc } = self.tiles;
+        let bc = self.tiles.bc;
         let (d, dv) = (g.d, g.dv);
         let (nr, nc) = (rows.len(), cols.len());
         let smod = ScoreMod::new(g, seq, head);
@@ -204,11 +201,9 @@ impl<T: Element> Context<'_, T> {
                 }
                 sc.dp[row].iter_mut().zip(&*keep).for_each(|(dp, &f)| *dp *= f);
             }
-            transpose(&mut sc.t, br, &sc.p_dropped, bc, nr, nc);
-        } else {
-            transpose(&mut sc.t, br, &sc.s, bc, nr, nc);
         }
-        gemm(&mut sc.dv, dv, &sc.t, br, &sc.dout, dv, (nc, dv, nr), true);
+        let p = if g.dropout.is_some() { &sc.p_dropped } else { &sc.s };
+        gemm_ta(&mut sc.dv, dv, p, bc, &sc.dout, dv, (nc, dv, nr), true);
 
         // dS_ij = P_ij ∘ (dP_ij - D_i), through the softcap: ∘ (1 - tanh²).
         for r in 0..nr {
@@ -224,8 +219,7 @@ impl<T: Element> Context<'_, T> {
             }
         }
         // dK_j += dSᵀ Q_i (scaled when written); dQ_i += scale · dS K_j into this chunk's partial.
-        transpose(&mut sc.t, br, &sc.s, bc, nr, nc);
-        gemm(&mut sc.dk, d, &sc.t, br, &sc.q_raw, d, (nc, d, nr), true);
+        gemm_ta(&mut sc.dk, d, &sc.s, bc, &sc.q_raw, d, (nc, d, nr), true);
         for r in 0..nr {
             sc.s[r * bc..r * bc + nc].iter_mut().for_each(|x| *x *= g.scale);
         }

@@ -21,12 +21,16 @@ pub struct Tiles {
 /// Tile sizes for head dims `d`, `dv`, given the longest query sequence and the number of
 /// `(sequence, head)` pairs to spread over `threads`.
 pub fn tiles(d: usize, dv: usize, max_sq: usize, pairs: usize, threads: usize) -> Tiles {
-    // Query tile: 64 rows, fewer when the batch is too small to give every thread a few tiles.
-    let mut br = 64;
+    let bc = kv_tile(d, dv);
+    // Query tile: as tall as the other half of the budget allows for Q_i, O_i and S_ij (up to
+    // 256 rows), since every row shares the packing of each key/value tile; fewer rows when the
+    // batch is too small to give every thread a few tiles.
+    let q_row_bytes = 4 * (d + dv + bc);
+    let mut br = (L2_BUDGET / 2 / q_row_bytes).clamp(16, 256) / 16 * 16;
     while br > 16 && pairs * max_sq.div_ceil(br) < 4 * threads {
         br /= 2;
     }
-    Tiles { br: br.min(max_sq.max(1)), bc: kv_tile(d, dv) }
+    Tiles { br: br.min(max_sq.max(1)), bc }
 }
 
 /// Tile sizes of the backward pass. They depend on the head dims only — not on the thread count
@@ -51,7 +55,8 @@ mod tests {
         for d in [1, 7, 64, 128, 256, 512] {
             let t = tiles(d, d, 4096, 8, 2);
             assert!(t.bc >= 16 && t.bc <= 128 && t.bc.is_multiple_of(16));
-            assert!(t.br >= 16 && t.br <= 64);
+            assert!(t.br >= 16 && t.br <= 256);
+            assert!(4 * t.br * (2 * d + t.bc) <= L2_BUDGET);
             assert!(4 * t.bc * 2 * d <= L2_BUDGET);
         }
     }
@@ -59,7 +64,7 @@ mod tests {
     #[test]
     fn small_batches_get_smaller_query_tiles() {
         assert_eq!(tiles(64, 64, 128, 1, 2).br, 16);
-        assert_eq!(tiles(64, 64, 4096, 8, 2).br, 64);
+        assert_eq!(tiles(64, 64, 4096, 8, 2).br, 256);
         assert_eq!(tiles(64, 64, 5, 1, 2).br, 5);
     }
 }

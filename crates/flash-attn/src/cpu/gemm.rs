@@ -1,9 +1,10 @@
 //! The one matrix micro-kernel every tile product goes through: `C (+)= A · B` on `f32` tiles,
 //! with `B` row-major (packed so its rows are contiguous).
 //!
-//! Attention's products all take this form once the right operand is packed: `S = Q · Kᵀ`
-//! (B = Kᵀ, packed `d × Bc`), `O += P · V` (B = V), and in the backward pass `dP = dO · Vᵀ`,
-//! `dV += Pᵀ · dO`, `dK += dSᵀ · Q`, `dQ += dS · K`.
+//! `A` may be given transposed (stored `k × m`, [`gemm_ta`]). Attention's products all take one
+//! of these forms once the right operand is packed: `S = Q · Kᵀ` (B = Kᵀ, packed `d × Bc`),
+//! `O += P · V` (B = V), and in the backward pass `dP = dO · Vᵀ`, `dV += Pᵀ · dO` (A = P,
+//! transposed), `dK += dSᵀ · Q` (A = dS, transposed), `dQ += dS · K`.
 //!
 //! Paths, chosen at run time (faer/gemm style): AVX-512F (8 rows × 32 columns of accumulators
 //! in registers, masked tails), AVX2+FMA (6 × 16), and a portable fallback that LLVM vectorises
@@ -47,14 +48,13 @@ pub fn gemm(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_with(detect(), c, ldc, a, lda, b, ldb, (m, n, k), accumulate)
+    gemm_with(detect(), c, ldc, a, lda, false, b, ldb, (m, n, k), accumulate)
 }
 
-/// [`gemm`] on an explicit path (tests compare paths). A path the CPU lacks falls back to the
-/// portable one.
+/// `C[m × n] (+)= Aᵀ · B` where `a` holds `A` transposed: `k × m`, row stride `lda`.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_with(
-    path: Path,
+#[inline]
+pub fn gemm_ta(
     c: &mut [f32],
     ldc: usize,
     a: &[f32],
@@ -64,15 +64,34 @@ pub fn gemm_with(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
+    gemm_with(detect(), c, ldc, a, lda, true, b, ldb, (m, n, k), accumulate)
+}
+
+/// [`gemm`] / [`gemm_ta`] on an explicit path (tests compare paths). A path the CPU lacks falls
+/// back to the portable one.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with(
+    path: Path,
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    trans_a: bool,
+    b: &[f32],
+    ldb: usize,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
     if m == 0 || n == 0 {
         return;
     }
     // The intrinsic paths index without bounds checks: establish every access is in bounds.
+    let (a_rows, a_cols) = if trans_a { (k, m) } else { (m, k) };
     assert!(
         c.len() >= (m - 1) * ldc + n
-            && (k == 0 || (a.len() >= (m - 1) * lda + k && b.len() >= (k - 1) * ldb + n))
+            && (k == 0 || (a.len() >= (a_rows - 1) * lda + a_cols && b.len() >= (k - 1) * ldb + n))
             && ldc >= n
-            && (k == 0 || (lda >= k && ldb >= n)),
+            && (k == 0 || (lda >= a_cols && ldb >= n)),
         "gemm: tile views out of bounds"
     );
     #[cfg(target_arch = "x86_64")]
@@ -81,17 +100,39 @@ pub fn gemm_with(
             Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
                 // SAFETY: the CPU supports AVX-512F (checked just above) and the assert above
                 // bounds every access the kernel makes.
-                return unsafe { x86::gemm_avx512(c, ldc, a, lda, b, ldb, m, n, k, accumulate) };
+                return unsafe {
+                    if trans_a {
+                        x86::gemm_avx512::<true>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                    } else {
+                        x86::gemm_avx512::<false>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                    }
+                };
             }
             Path::Avx2 if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") => {
                 // SAFETY: as above, for AVX2 and FMA.
-                return unsafe { x86::gemm_avx2(c, ldc, a, lda, b, ldb, m, n, k, accumulate) };
+                return unsafe {
+                    if trans_a {
+                        x86::gemm_avx2::<true>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                    } else {
+                        x86::gemm_avx2::<false>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                    }
+                };
             }
             _ => {}
         }
     }
     let _ = path;
-    gemm_portable(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+    gemm_portable(c, ldc, a, lda, trans_a, b, ldb, m, n, k, accumulate)
+}
+
+/// Element `(i, p)` of `A` (stored transposed when `TA`).
+#[inline(always)]
+fn a_index<const TA: bool>(i: usize, p: usize, lda: usize) -> usize {
+    if TA {
+        p * lda + i
+    } else {
+        i * lda + p
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -100,6 +141,7 @@ fn gemm_portable(
     ldc: usize,
     a: &[f32],
     lda: usize,
+    trans_a: bool,
     b: &[f32],
     ldb: usize,
     m: usize,
@@ -113,7 +155,7 @@ fn gemm_portable(
             ci.fill(0.0);
         }
         for p in 0..k {
-            let aip = a[i * lda + p];
+            let aip = if trans_a { a[a_index::<true>(i, p, lda)] } else { a[a_index::<false>(i, p, lda)] };
             for (cij, &bpj) in ci.iter_mut().zip(&b[p * ldb..p * ldb + n]) {
                 *cij += aip * bpj;
             }
@@ -132,7 +174,7 @@ mod x86 {
     /// AVX-512F available; all accesses in bounds (`gemm_with` asserts it).
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemm_avx512(
+    pub unsafe fn gemm_avx512<const TA: bool>(
         c: &mut [f32],
         ldc: usize,
         a: &[f32],
@@ -162,14 +204,14 @@ mod x86 {
                 // SAFETY: forwarded from the caller; rows <= MR512, columns masked to n.
                 unsafe {
                     match rows {
-                        8 => tile512::<8>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        7 => tile512::<7>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        6 => tile512::<6>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        5 => tile512::<5>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        4 => tile512::<4>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        3 => tile512::<3>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        2 => tile512::<2>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        _ => tile512::<1>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        8 => tile512::<8, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        7 => tile512::<7, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        6 => tile512::<6, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        5 => tile512::<5, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        4 => tile512::<4, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        3 => tile512::<3, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        2 => tile512::<2, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        _ => tile512::<1, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
                     }
                 }
                 i += rows;
@@ -185,7 +227,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn tile512<const R: usize>(
+    unsafe fn tile512<const R: usize, const TA: bool>(
         c: *mut f32,
         ldc: usize,
         a: *const f32,
@@ -208,7 +250,7 @@ mod x86 {
                 let b0 = _mm512_maskz_loadu_ps(m0, brow);
                 let b1 = _mm512_maskz_loadu_ps(m1, brow.add(16));
                 for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let av = _mm512_set1_ps(*a.add((i + r) * lda + p));
+                    let av = _mm512_set1_ps(*a.add(super::a_index::<TA>(i + r, p, lda)));
                     acc_r[0] = _mm512_fmadd_ps(av, b0, acc_r[0]);
                     acc_r[1] = _mm512_fmadd_ps(av, b1, acc_r[1]);
                 }
@@ -233,7 +275,7 @@ mod x86 {
     /// AVX2 and FMA available; all accesses in bounds (`gemm_with` asserts it).
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemm_avx2(
+    pub unsafe fn gemm_avx2<const TA: bool>(
         c: &mut [f32],
         ldc: usize,
         a: &[f32],
@@ -255,12 +297,12 @@ mod x86 {
                 // SAFETY: forwarded from the caller; full 16-column blocks only.
                 unsafe {
                     match rows {
-                        6 => tile256::<6>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        5 => tile256::<5>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        4 => tile256::<4>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        3 => tile256::<3>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        2 => tile256::<2>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        _ => tile256::<1>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        6 => tile256::<6, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        5 => tile256::<5, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        4 => tile256::<4, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        3 => tile256::<3, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        2 => tile256::<2, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                        _ => tile256::<1, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
                     }
                 }
                 j += 16;
@@ -273,7 +315,7 @@ mod x86 {
                 for jj in n16..n {
                     let mut s = 0.0f32;
                     for p in 0..k {
-                        s += a[i * lda + p] * b[p * ldb + jj];
+                        s += a[super::a_index::<TA>(i, p, lda)] * b[p * ldb + jj];
                     }
                     let cij = &mut c[i * ldc + jj];
                     *cij = if accumulate { *cij + s } else { s };
@@ -287,7 +329,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn tile256<const R: usize>(
+    unsafe fn tile256<const R: usize, const TA: bool>(
         c: *mut f32,
         ldc: usize,
         a: *const f32,
@@ -307,7 +349,7 @@ mod x86 {
                 let b0 = _mm256_loadu_ps(brow);
                 let b1 = _mm256_loadu_ps(brow.add(8));
                 for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let av = _mm256_set1_ps(*a.add((i + r) * lda + p));
+                    let av = _mm256_set1_ps(*a.add(super::a_index::<TA>(i + r, p, lda)));
                     acc_r[0] = _mm256_fmadd_ps(av, b0, acc_r[0]);
                     acc_r[1] = _mm256_fmadd_ps(av, b1, acc_r[1]);
                 }
@@ -347,11 +389,13 @@ mod tests {
             let a: Vec<f32> = (0..m * k).map(|_| rng.normal() as f32).collect();
             let b: Vec<f32> = (0..k * n).map(|_| rng.normal() as f32).collect();
             let want = reference(&a, &b, m, n, k);
+            let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
             for path in [Path::Avx512, Path::Avx2, Path::Portable] {
-                for accumulate in [false, true] {
+                for (accumulate, trans_a) in [(false, false), (true, false), (false, true), (true, true)] {
                     let init: Vec<f32> = (0..m * n).map(|x| x as f32 * 0.25).collect();
                     let mut c = init.clone();
-                    gemm_with(path, &mut c, n, &a, k, &b, n, (m, n, k), accumulate);
+                    let (a_op, lda) = if trans_a { (&at, m) } else { (&a, k) };
+                    gemm_with(path, &mut c, n, a_op, lda, trans_a, &b, n, (m, n, k), accumulate);
                     for (idx, (&got, &w)) in c.iter().zip(&want).enumerate() {
                         let w = if accumulate { w + init[idx] as f64 } else { w };
                         assert!(
@@ -371,7 +415,7 @@ mod tests {
         let b: Vec<f32> = (0..k * ld).map(|x| (x % 5) as f32 - 2.0).collect();
         for path in [Path::Avx512, Path::Avx2, Path::Portable] {
             let mut c = vec![7.0f32; m * ld];
-            gemm_with(path, &mut c, ld, &a, ld, &b, ld, (m, n, k), false);
+            gemm_with(path, &mut c, ld, &a, ld, false, &b, ld, (m, n, k), false);
             for i in 0..m {
                 assert!(c[i * ld + n..(i + 1) * ld].iter().all(|&x| x == 7.0), "{path:?}");
             }
