@@ -97,6 +97,11 @@ pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 
     }
     /// Widen a slice to `f32` (vectorised, with run-time F16C detection for `f16`); lengths equal.
     fn widen_slice(src: &[Self], dst: &mut [f32]);
+    /// The slice itself when the type is `f32`, so kernels can read it in place.
+    fn as_f32(src: &[Self]) -> Option<&[f32]> {
+        let _ = src;
+        None
+    }
     /// Round a slice from `f32` (vectorised where the CPU allows); lengths equal.
     fn narrow_slice(src: &[f32], dst: &mut [Self]);
 }
@@ -118,6 +123,10 @@ impl Element for f32 {
     #[inline]
     fn widen_slice(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn as_f32(src: &[Self]) -> Option<&[f32]> {
+        Some(src)
     }
     #[inline]
     fn narrow_slice(src: &[f32], dst: &mut [Self]) {

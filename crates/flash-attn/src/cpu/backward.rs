@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::blocking::Tiles;
 use super::gemm::{gemm, gemm_ta};
-use super::tile::{load_rows, score_tile, transpose, ScoreMod};
+use super::tile::{load_rows, rows_f32, score_tile, transpose, ScoreMod};
 use super::vexp::exp2_sub_sum;
 use super::Sink;
 use crate::dtype::Element;
@@ -36,7 +36,6 @@ pub(super) fn chunks(g: &Geometry<'_>, bc: usize) -> usize {
 /// Per-thread scratch of the backward loop: `O(Br·(d + dv) + Br·Bc + Bc·(d + dv))` floats.
 pub(super) struct Scratch {
     q: Vec<f32>,
-    q_raw: Vec<f32>,
     dout: Vec<f32>,
     lse2: Vec<f32>,
     delta: Vec<f32>,
@@ -58,7 +57,6 @@ impl Scratch {
         let (d, dv) = (g.d, g.dv);
         Self {
             q: vec![0.0; t.br * d],
-            q_raw: vec![0.0; t.br * d],
             dout: vec![0.0; t.br * dv],
             lse2: vec![0.0; t.br],
             delta: vec![0.0; t.br],
@@ -164,9 +162,8 @@ impl<T: Element> Context<'_, T> {
         let (nr, nc) = (rows.len(), cols.len());
         let smod = ScoreMod::new(g, seq, head);
 
-        load_rows(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, smod.q_mult);
-        load_rows(&mut sc.q_raw, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0);
-        load_rows(&mut sc.dout, self.dout, self.dout_layout, seq, seq.q_start, rows.clone(), head, dv, 1.0);
+        let (q, ldq) = rows_f32(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d);
+        let (dout, ldo) = rows_f32(&mut sc.dout, self.dout, self.dout_layout, seq, seq.q_start, rows.clone(), head, dv);
         for (r, i) in rows.clone().enumerate() {
             let li = g.lse_index(seq, head, i);
             sc.lse2[r] = self.lse[li] * std::f32::consts::LOG2_E;
@@ -175,7 +172,7 @@ impl<T: Element> Context<'_, T> {
 
         // Recompute S_ij and P_ij = exp(S_ij - L_i) from the saved LSE.
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
-        score_tile(&mut sc.s, bc, &sc.q, &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
+        score_tile(&mut sc.s, bc, (q, ldq, false), &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
         for r in 0..nr {
             let lse2 = sc.lse2[r];
             let row = &mut sc.s[r * bc..r * bc + nc];
@@ -186,7 +183,7 @@ impl<T: Element> Context<'_, T> {
             }
         }
         // dP_ij = dO_i V_jᵀ.
-        gemm(&mut sc.dp, bc, &sc.dout, dv, &sc.vt, bc, (nr, nc, dv), false);
+        gemm(&mut sc.dp, bc, dout, ldo, &sc.vt, bc, (nr, nc, dv), false);
 
         // Dropout: dV uses P' = P ∘ keep/(1-p), and dP = dP' ∘ keep/(1-p).
         if let Some(dr) = g.dropout {
@@ -203,7 +200,7 @@ impl<T: Element> Context<'_, T> {
             }
         }
         let p = if g.dropout.is_some() { &sc.p_dropped } else { &sc.s };
-        gemm_ta(&mut sc.dv, dv, p, bc, &sc.dout, dv, (nc, dv, nr), true);
+        gemm_ta(&mut sc.dv, dv, p, bc, dout, ldo, (nc, dv, nr), true);
 
         // dS_ij = P_ij ∘ (dP_ij - D_i), through the softcap: ∘ (1 - tanh²).
         for r in 0..nr {
@@ -219,7 +216,7 @@ impl<T: Element> Context<'_, T> {
             }
         }
         // dK_j += dSᵀ Q_i (scaled when written); dQ_i += scale · dS K_j into this chunk's partial.
-        gemm_ta(&mut sc.dk, d, &sc.s, bc, &sc.q_raw, d, (nc, d, nr), true);
+        gemm_ta(&mut sc.dk, d, &sc.s, bc, q, ldq, (nc, d, nr), true);
         for r in 0..nr {
             sc.s[r * bc..r * bc + nc].iter_mut().for_each(|x| *x *= g.scale);
         }

@@ -4,7 +4,7 @@
 use super::blocking::Tiles;
 use super::gemm::gemm;
 use super::softmax::OnlineSoftmax;
-use super::tile::{load_rows, score_tile, transpose, ScoreMod};
+use super::tile::{load_rows, rows_f32, score_tile, transpose, ScoreMod};
 use super::Sink;
 use crate::dtype::Element;
 use crate::mask::TileClass;
@@ -84,9 +84,9 @@ impl<T: Element> Context<'_, T> {
             let nc = cols.len();
             load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
             transpose(&mut sc.kt, bc, &sc.k, d, nc, d);
-            load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
+
             // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only.
-            score_tile(&mut sc.s, bc, &sc.q, &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, None);
+            score_tile(&mut sc.s, bc, (&sc.q, d, true), &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, None);
             // m, l, P and the rescale of O (lines 10-12), then O_i += P_ij V_j.
             sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv);
             if let Some(rng) = &dropout {
@@ -95,7 +95,8 @@ impl<T: Element> Context<'_, T> {
                     rng.apply_row(seq.batch, head, g.hq, i, cols.start, rng.scale(), &mut sc.s[r * bc..r * bc + nc]);
                 }
             }
-            gemm(&mut sc.o, dv, &sc.s, bc, &sc.v, dv, (nr, dv, nc), true);
+            let (v, ldv) = rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
+            gemm(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc), true);
         }
 
         // One final normalisation (FA2), then write O_i and L_i (lines 12-13).

@@ -61,6 +61,30 @@ pub(super) fn load_rows<T: Element>(
     }
 }
 
+/// Rows `rows` of head `head` as an `f32` matrix `(data, row stride)`: read in place when the input
+/// is `f32` and its rows do not overlap, otherwise widened into `buf` (row stride `dim`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn rows_f32<'s, T: Element>(
+    buf: &'s mut [f32],
+    src: &'s [T],
+    layout: RowLayout,
+    seq: &Sequence,
+    start: usize,
+    rows: Range<usize>,
+    head: usize,
+    dim: usize,
+) -> (&'s [f32], usize) {
+    let ld = layout.token_stride;
+    if let (Some(src), false) = (T::as_f32(src), rows.is_empty()) {
+        if ld >= dim {
+            let at = layout.row(seq, start, rows.start, head);
+            return (&src[at..at + (rows.len() - 1) * ld + dim], ld);
+        }
+    }
+    load_rows(buf, src, layout, seq, start, rows, head, dim, 1.0);
+    (buf, dim)
+}
+
 /// `dst[c][r] = src[r][c]` for an `rows × cols` tile (`src` rows of stride `ld_src`, `dst` rows of
 /// stride `ld_dst`).
 pub(super) fn transpose(dst: &mut [f32], ld_dst: usize, src: &[f32], ld_src: usize, rows: usize, cols: usize) {
@@ -71,14 +95,15 @@ pub(super) fn transpose(dst: &mut [f32], ld_dst: usize, src: &[f32], ld_src: usi
     }
 }
 
-/// The score tile of `rows × cols` (rows of stride `ld` in `s`): `S = Q Kᵀ` from the loaded `Q`
-/// and the packed `Kᵀ` (`d × ld`), then softcap (its `tanh` values kept in `tanh` when given),
+/// The score tile of `rows × cols` (rows of stride `ld` in `s`): `S = Q Kᵀ` from `Q` (row stride
+/// `ldq`; already multiplied by `q_mult` when `q_scaled`, else the product is) and the packed `Kᵀ`
+/// (`d × ld`), then softcap (its `tanh` values kept in `tanh` when given),
 /// ALiBi, and the mask on Partial tiles.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn score_tile(
     s: &mut [f32],
     ld: usize,
-    q: &[f32],
+    (q, ldq, q_scaled): (&[f32], usize, bool),
     kt: &[f32],
     d: usize,
     rows: Range<usize>,
@@ -89,9 +114,12 @@ pub(super) fn score_tile(
     mut tanh: Option<&mut [f32]>,
 ) {
     let nc = cols.len();
-    gemm(s, ld, q, d, kt, ld, (rows.len(), nc, d), false);
+    gemm(s, ld, q, ldq, kt, ld, (rows.len(), nc, d), false);
     for (r, i) in rows.enumerate() {
         let row = &mut s[r * ld..r * ld + nc];
+        if !q_scaled {
+            row.iter_mut().for_each(|x| *x *= m.q_mult);
+        }
         if let Some(cap2) = m.cap2 {
             let t_row = tanh.as_deref_mut().map(|t| &mut t[r * ld..r * ld + nc]);
             match t_row {
