@@ -82,8 +82,8 @@ impl<T: Element> Context<'_, T> {
                 continue;
             }
             let nc = cols.len();
-            load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
-            transpose(&mut sc.kt, bc, &sc.k, d, nc, d);
+            let (k, ldk) = rows_f32(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
+            transpose(&mut sc.kt, bc, k, ldk, nc, d);
 
             // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only.
             score_tile(&mut sc.s, bc, (&sc.q, d, true), &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, None);
