@@ -360,7 +360,8 @@ impl Case {
         let (tq, tk): (usize, usize) = if self.varlen {
             (self.seqlens.iter().map(|s| s.0).sum(), self.seqlens.iter().map(|s| s.1).sum())
         } else {
-            (self.seqlens[0].0, self.seqlens[0].1)
+            // Fixed length: every entry has the first one's lengths; an empty batch has none.
+            self.seqlens.first().copied().unwrap_or((0, 0))
         };
         let lead: &[usize] = if self.varlen { &[] } else { std::slice::from_ref(&b) };
         let layout = |s: usize, h: usize, dim: usize| -> (Vec<usize>, Vec<usize>, usize) {
