@@ -163,6 +163,35 @@ pub enum Error {
     /// A feature that this backend or build does not provide.
     #[error("unsupported: {0}")]
     Unsupported(String),
+
+    /// The CUDA driver library or a usable GPU is missing (CUDA backend).
+    #[error("CUDA is not available: {0}")]
+    CudaUnavailable(String),
+
+    /// The NVRTC library (run-time compiler of the CUDA backend) could not be loaded.
+    #[error("NVRTC is not available: {0}")]
+    NvrtcUnavailable(String),
+
+    /// The CUDA headers a kernel needs were not found.
+    #[error("CUDA headers not found: {0}")]
+    CudaHeaders(String),
+
+    /// NVRTC rejected a kernel; `log` is the compiler's log.
+    #[error("NVRTC could not compile kernel `{kernel}`:\n{log}")]
+    KernelCompile {
+        /// Kernel variant name.
+        kernel: String,
+        /// NVRTC's program log.
+        log: String,
+    },
+
+    /// The GPU ran out of memory.
+    #[error("out of device memory: {0}")]
+    DeviceOutOfMemory(String),
+
+    /// A CUDA driver call or kernel launch failed.
+    #[error("CUDA launch failed: {0}")]
+    CudaLaunch(String),
 }
 
 /// A vector of `n` copies of `value`, or [`Error::OutOfMemory`] instead of an abort.

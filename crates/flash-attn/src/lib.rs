@@ -51,6 +51,8 @@
 
 pub mod check;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod io_model;

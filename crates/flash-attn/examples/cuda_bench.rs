@@ -1,0 +1,256 @@
+//! Device-side check and benchmark of the CUDA forward.
+//!
+//! ```text
+//! cuda_bench compile [sm_80,sm_90a]        compile every variant, print registers / spills
+//! cuda_bench check [CASES] [SEED]          random cases vs the f64 oracle (numerics contract)
+//! cuda_bench bench [--variants all] [--dtypes bf16,f16] [--causal both] [--d 64,128] [--reps N]
+//!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048
+//! cuda_bench sanitize                      a few small launches, for compute-sanitizer
+//! ```
+//! Benchmark lines are JSON in BENCH.md's contract (`device, dtype, b, hq, hk, sq, sk, d, causal,
+//! fwd_ms`) plus `tflops` and `variant`; times are medians of CUDA-event-timed runs after a
+//! warm-up, on inputs drawn from a normal distribution.
+
+use flash_attn::check::{report, Case, CaseData, Rng, Storage};
+use flash_attn::cuda::{self, Arch, DeviceTensor, DeviceTensorMut, Variant};
+use flash_attn::{reference, AttentionSpec, Causal, DType, Result};
+use half::{bf16, f16};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cmd = args.first().map(String::as_str).unwrap_or("check");
+    let r = match cmd {
+        "compile" => compile(args.get(1).map(String::as_str).unwrap_or("sm_80,sm_90a")),
+        "check" => check(
+            args.get(1).and_then(|s| s.parse().ok()).unwrap_or(200),
+            args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1),
+        ),
+        "bench" => bench(&args[1..]),
+        "sanitize" => sanitize(),
+        other => {
+            eprintln!("unknown command `{other}`");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn compile(archs: &str) -> Result<()> {
+    let archs: Vec<Arch> = archs.split(',').map(|a| Arch(a.to_string())).collect();
+    let mut failed = 0;
+    for r in cuda::compile_all(&archs)? {
+        println!(
+            "{:<34} {:<7} regs {:>4} spill {:>4} {}",
+            r.name,
+            r.arch,
+            r.registers.map_or("?".into(), |x| x.to_string()),
+            r.spill_bytes.map_or("?".into(), |x| x.to_string()),
+            if r.ok() { "ok" } else { "FAILED" }
+        );
+        if let Err(e) = &r.result {
+            failed += 1;
+            println!("{e}");
+        }
+    }
+    if failed > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// A random case inside what the CUDA forward supports (dtype, head dims, masks, layouts).
+fn random_case(rng: &mut Rng) -> Case {
+    let mut c = Case::random(rng);
+    c.dtype = rng.pick(&[DType::BF16, DType::F16]);
+    c.d = rng.pick(&[64, 128]);
+    c.dv = c.d;
+    c.softcap = None;
+    c.alibi = None;
+    c.block = None;
+    if rng.chance(0.3) {
+        // Longer sequences: several key tiles, several query tiles, odd tails.
+        let n = c.seqlens.len();
+        for s in c.seqlens.iter_mut().take(n) {
+            *s = (rng.range(1, 400), rng.range(1, 400));
+        }
+        if !c.varlen {
+            let first = c.seqlens[0];
+            c.seqlens.iter_mut().for_each(|s| *s = first);
+        }
+    }
+    if let Storage::Strided { .. } = c.storage {
+        c.storage = Storage::Strided { pad: rng.pick(&[0, 8]) };
+    }
+    c
+}
+
+fn check(cases: usize, seed: u64) -> Result<()> {
+    let mut rng = Rng::new(seed);
+    let (mut failed, mut worst_out, mut worst_lse) = (0, 0.0f64, 0.0f64);
+    // The f64 oracle runs on the host: stop after a time budget and say how many cases ran.
+    let budget: f64 = std::env::var("FA_CHECK_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(70.0);
+    let start = std::time::Instant::now();
+    let mut done = 0;
+    for i in 0..cases {
+        if start.elapsed().as_secs_f64() > budget {
+            break;
+        }
+        done += 1;
+        let case = random_case(&mut rng);
+        let rep = match case.dtype {
+            DType::BF16 => run_case::<bf16>(&case)?,
+            _ => run_case::<f16>(&case)?,
+        };
+        let ratio = |c: &flash_attn::check::Comparison| c.max_err / c.bound.max(f64::MIN_POSITIVE);
+        worst_out = worst_out.max(ratio(&rep.out));
+        worst_lse = worst_lse.max(ratio(&rep.lse));
+        if !rep.passed() {
+            failed += 1;
+            println!("FAIL case {i}: {case}\n  {rep}");
+        } else {
+            println!("ok case {i}: {case}: out err/bound {:.3}, lse err/bound {:.3}", ratio(&rep.out), ratio(&rep.lse));
+        }
+    }
+    println!(
+        "{{\"check\":\"cuda_forward\",\"cases\":{done},\"failed\":{failed},\"worst_err_over_bound_out\":{worst_out:.4},\"worst_err_over_bound_lse\":{worst_lse:.4}}}"
+    );
+    if failed > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn run_case<T: cuda::CudaElement>(case: &Case) -> Result<flash_attn::check::CaseReport> {
+    let data: CaseData<T> = case.data::<T>();
+    let spec = case.spec(&data);
+    let [q, k, v] = data.views();
+    let ours = cuda::forward_host(&spec, &q, &k, &v)?;
+    let oracle = reference::forward(&spec, &q, &k, &v)?;
+    let naive = reference::naive(&spec, &q, &k, &v)?;
+    Ok(report(&ours.out, &ours.lse, &oracle, &naive, case.dtype))
+}
+
+fn sanitize() -> Result<()> {
+    let mut rng = Rng::new(7);
+    for (i, (d, causal, varlen)) in [
+        (64, Causal::None, false),
+        (128, Causal::BottomRight, false),
+        (64, Causal::TopLeft, true),
+        (128, Causal::None, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut c = random_case(&mut rng);
+        c.d = d;
+        c.dv = d;
+        c.causal = causal;
+        c.varlen = varlen;
+        c.seqlens = if varlen { vec![(37, 150), (130, 61), (0, 5)] } else { vec![(131, 77); 2] };
+        c.window = None;
+        let rep = run_case::<bf16>(&c)?;
+        println!("sanitize case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
+    }
+    Ok(())
+}
+
+fn arg<'a>(args: &'a [String], name: &str, default: &'a str) -> &'a str {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map_or(default, String::as_str)
+}
+
+fn bench(args: &[String]) -> Result<()> {
+    let dtypes = arg(args, "--dtypes", "bf16,f16");
+    let causals = match arg(args, "--causal", "both") {
+        "yes" => vec![true],
+        "no" => vec![false],
+        _ => vec![false, true],
+    };
+    let dims: Vec<usize> = arg(args, "--d", "64,128").split(',').filter_map(|s| s.parse().ok()).collect();
+    let seqs: Vec<usize> =
+        arg(args, "--seqs", "512,1024,2048,4096,8192,16384").split(',').filter_map(|s| s.parse().ok()).collect();
+    let reps: usize = arg(args, "--reps", "20").parse().unwrap_or(20);
+    let all_variants = arg(args, "--variants", "default") == "all";
+    for dt in dtypes.split(',') {
+        let dtype: DType = dt.parse().map_err(flash_attn::Error::Unsupported)?;
+        for &d in &dims {
+            let variants: Vec<Option<Variant>> = if all_variants {
+                Variant::all().into_iter().filter(|v| v.dtype == dtype && v.d == d).map(Some).collect()
+            } else {
+                vec![None]
+            };
+            for &s in &seqs {
+                for &causal in &causals {
+                    for &variant in &variants {
+                        match dtype {
+                            DType::BF16 => bench_one::<bf16>(s, d, causal, variant, reps)?,
+                            _ => bench_one::<f16>(s, d, causal, variant, reps)?,
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn bench_one<T: cuda::CudaElement>(
+    s: usize,
+    d: usize,
+    causal: bool,
+    variant: Option<Variant>,
+    reps: usize,
+) -> Result<()> {
+    let dev = cuda::default_device()?;
+    let (b, hq) = (16384 / s, 2048 / d);
+    let hk = hq;
+    let n = b * s * hq * d;
+    let mut rng = Rng::new(s as u64 * 31 + d as u64);
+    let host: Vec<T> = (0..n).map(|_| T::from_f64(rng.normal())).collect();
+    let de = |e| flash_attn::Error::CudaLaunch(format!("{e:?}"));
+    let q = dev.upload(&host)?;
+    let k = dev.upload(&host[n / 3..].iter().chain(&host[..n / 3]).copied().collect::<Vec<_>>())?;
+    let v = dev.upload(&host[n / 2..].iter().chain(&host[..n / 2]).copied().collect::<Vec<_>>())?;
+    let stream = dev.stream();
+    let mut out = stream.alloc_zeros::<T>(n).map_err(de)?;
+    let mut lse = stream.alloc_zeros::<f32>(b * hq * s).map_err(de)?;
+    let shape = [b, s, hq, d];
+    let spec = if causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    let run = |out: &mut cudarc::driver::CudaSlice<T>, lse: &mut cudarc::driver::CudaSlice<f32>| -> Result<()> {
+        let (qt, kt, vt) = (
+            DeviceTensor::new(q.as_view(), &shape),
+            DeviceTensor::new(k.as_view(), &shape),
+            DeviceTensor::new(v.as_view(), &shape),
+        );
+        let mut ot = DeviceTensorMut::new(out.as_view_mut(), &shape);
+        let mut lv = lse.as_view_mut();
+        dev.forward_variant(&spec, &qt, &kt, &vt, &mut ot, &mut lv, variant)
+    };
+    for _ in 0..3 {
+        run(&mut out, &mut lse)?;
+    }
+    stream.synchronize().map_err(de)?;
+    let ctx = dev.context();
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(de)?;
+        let end = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(de)?;
+        start.record(stream).map_err(de)?;
+        run(&mut out, &mut lse)?;
+        end.record(stream).map_err(de)?;
+        end.synchronize().map_err(de)?;
+        times.push(start.elapsed_ms(&end).map_err(de)? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    let ms = times[times.len() / 2];
+    let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+    let name = variant.or_else(|| Variant::default_for(T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
+    println!(
+        "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"hk\":{hk},\"sq\":{s},\"sk\":{s},\"d\":{d},\"causal\":{causal},\"fwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"}}",
+        T::DTYPE,
+        flops / ms / 1e9
+    );
+    Ok(())
+}

@@ -1,0 +1,93 @@
+//! The kernel variants: which embedded sources, with which compile-time tile shape, for which
+//! dtype and head dimension.
+
+use crate::dtype::DType;
+
+/// The forward kernel's program: helpers first, then the mask rule, the online softmax and the
+/// kernel (they carry no `#include`, so they are joined here in dependency order).
+pub(crate) fn forward_source() -> String {
+    [
+        include_str!("kernels/tile.cuh"),
+        include_str!("kernels/mask.cuh"),
+        include_str!("kernels/softmax.cuh"),
+        include_str!("kernels/flash_fwd.cuh"),
+    ]
+    .join("\n")
+}
+
+/// One compiled instance of the forward kernel (`flash_fwd.cuh`'s compile-time parameters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Variant {
+    /// `bf16` or `f16`.
+    pub dtype: DType,
+    /// Head dimension of q, k and v.
+    pub d: usize,
+    /// 16-row tiles per warp: a warp owns `16 · mt` query rows.
+    pub mt: usize,
+    /// Keys per key/value tile (`Bc`).
+    pub bc: usize,
+    /// Warps per block.
+    pub warps: usize,
+}
+
+/// Head dimensions the CUDA forward supports (`d == dv`).
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+
+impl Variant {
+    /// Query rows per block (`Br`).
+    pub fn block_rows(&self) -> usize {
+        self.warps * 16 * self.mt
+    }
+
+    /// Threads per block.
+    pub fn threads(&self) -> usize {
+        self.warps * 32
+    }
+
+    /// Dynamic shared memory: the Q tile plus one K and one V tile, 2 bytes an element.
+    pub fn smem_bytes(&self) -> usize {
+        (self.block_rows() + 2 * self.bc) * self.d * 2
+    }
+
+    /// A name that says everything that changes the binary, e.g. `flash_fwd_bf16_d128_m1_n64_w8`.
+    pub fn name(&self) -> String {
+        format!("flash_fwd_{}_d{}_m{}_n{}_w{}", self.dtype.name(), self.d, self.mt, self.bc, self.warps)
+    }
+
+    /// NVRTC options selecting this variant.
+    pub fn options(&self) -> Vec<String> {
+        vec![
+            "--std=c++17".into(),
+            "-Xptxas".into(),
+            "-v".into(),
+            format!("-DFA_D={}", self.d),
+            format!("-DFA_MT={}", self.mt),
+            format!("-DFA_BC={}", self.bc),
+            format!("-DFA_WARPS={}", self.warps),
+            format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
+        ]
+    }
+
+    /// The variant used for `dtype` and head dim `d`, if supported: the fastest tile shape
+    /// measured on an H100 (see docs/cuda-notes.md). For d = 128 it is 32 rows per warp, which
+    /// spills ~100 bytes and still beats 16 rows per warp (half the shared-memory reads per MMA).
+    pub fn default_for(dtype: DType, d: usize) -> Option<Variant> {
+        if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
+            return None;
+        }
+        Some(Variant { dtype, d, mt: 2, bc: 64, warps: 4 })
+    }
+
+    /// Every variant that is compiled by `compile_all` and can be benchmarked.
+    pub fn all() -> Vec<Variant> {
+        let mut v = Vec::new();
+        for dtype in [DType::BF16, DType::F16] {
+            for d in HEAD_DIMS {
+                for (mt, bc, warps) in [(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)] {
+                    v.push(Variant { dtype, d, mt, bc, warps });
+                }
+            }
+        }
+        v
+    }
+}

@@ -1,0 +1,266 @@
+// FlashAttention-2 forward for sm_80+ (mma.sync m16n8k16, f32 accumulation).
+//
+// One thread block computes BR = WARPS · 16 · MT query rows of one (sequence, head); each warp
+// owns 16 · MT rows, so the warps never exchange softmax state (FlashAttention-2 §3.2: split Q
+// across warps, share K and V). Key/value tiles of BC keys stream through shared memory with
+// cp.async, K of the next tile loading while this tile's softmax and P·V run, V of this tile
+// loading while Q·Kᵀ runs.
+//
+// Compile-time parameters (NVRTC -D options): FA_D (head dim of q, k and v), FA_MT (16-row
+// tiles per warp), FA_BC (keys per tile), FA_WARPS, FA_BF16 (1: bf16, 0: fp16).
+
+#ifndef FA_D
+#define FA_D 128
+#endif
+#ifndef FA_MT
+#define FA_MT 2
+#endif
+#ifndef FA_BC
+#define FA_BC 64
+#endif
+#ifndef FA_WARPS
+#define FA_WARPS 4
+#endif
+#ifndef FA_BF16
+#define FA_BF16 1
+#endif
+
+// The launch parameters; mirrored field for field by `FwdParams` in src/cuda/launch.rs.
+struct FwdParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    u16* o;
+    float* lse;
+    const int* cu_seqlens_q;  // null for fixed-length batches
+    const int* cu_seqlens_k;
+    // Strides in elements: batch (0 for varlen), token, head.
+    long long q_batch, q_row, q_head;
+    long long k_batch, k_row, k_head;
+    long long v_batch, v_row, v_head;
+    long long o_batch, o_row, o_head;
+    long long lse_batch, lse_head;  // lse[b, h, i] at b·lse_batch + h·lse_head + q_start + i
+    int batch, hq, group;           // group = hq / hk (GQA)
+    int sq, sk;                     // fixed-length sizes (varlen: from cu_seqlens)
+    int num_m_blocks;               // ceil(longest sq / BR)
+    int causal, window_left, window_right;
+    float scale_log2;               // softmax scale · log2(e)
+    int longest_first;              // order blocks longest key range first (causal)
+};
+
+template <int D, int MT, int BC, int WARPS, bool BF16>
+struct FlashFwd {
+    static constexpr int BR = WARPS * 16 * MT;  // query rows per block
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int NT = BC / 8;           // n-tiles of the score tile
+    static constexpr int DT = D / 8;            // n-tiles of the output tile
+    static constexpr int Q_BYTES = BR * D * 2;
+    static constexpr int KV_BYTES = BC * D * 2;
+    static constexpr int SMEM_BYTES = Q_BYTES + 2 * KV_BYTES;
+
+    // S = Q Kᵀ for this warp's rows, already in exp2 units: s · scale · log2(e).
+    static __device__ __forceinline__ void scores(FragC (&s)[MT][NT], u32 sQ, u32 sK, int warp_row, int lane,
+                                                  float scale_log2) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt].x[e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            FragA qa[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) qa[mt] = load_a<D>(sQ, warp_row + 16 * mt, kk, lane);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                FragB b0, b1;
+                load_b_pair<D>(sK, 16 * np, kk, lane, b0, b1);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma<BF16>(s[mt][2 * np], qa[mt], b0);
+                    mma<BF16>(s[mt][2 * np + 1], qa[mt], b1);
+                }
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt].x[e] *= scale_log2;
+    }
+
+    // Hides invisible (query, key) pairs of a Partial tile: s = -inf.
+    static __device__ __forceinline__ void apply_mask(FragC (&s)[MT][NT], const Visibility& vis, int row0, int col0,
+                                                      int lane) {
+        int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                int lo, hi;
+                vis.span(row0 + 16 * mt + g + 8 * r, lo, hi);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        int j = col0 + 8 * nt + 2 * t + c;
+                        if (j < lo || j >= hi) s[mt][nt].x[2 * r + c] = -FA_INF;
+                    }
+            }
+    }
+
+    // O += P V for this warp's rows; P comes straight from the score registers.
+    static __device__ __forceinline__ void accumulate_pv(FragC (&o)[MT][DT], const FragC (&p)[MT][NT], u32 sV,
+                                                         int lane) {
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            FragA pa[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) pa[mt] = scores_to_a<BF16>(p[mt][2 * kk], p[mt][2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                FragB b0, b1;
+                load_b_pair_trans<D>(sV, 16 * kk, dp, lane, b0, b1);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma<BF16>(o[mt][2 * dp], pa[mt], b0);
+                    mma<BF16>(o[mt][2 * dp + 1], pa[mt], b1);
+                }
+            }
+        }
+    }
+
+    // Writes this warp's normalised output rows to shared memory (swizzled, in the dtype), then
+    // the whole block copies the tile out with 16-byte stores; and the lse of each row.
+    static __device__ __forceinline__ void store(const FragC (&o)[MT][DT], const float (&lse)[MT][2], u32 sO,
+                                                 u16* gO, long long o_row, float* gL, int rows_valid,
+                                                 int warp_row, int lane, int tid) {
+        int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                int row = warp_row + 16 * mt + g + 8 * r;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    u32 w = pack2<BF16>(o[mt][dt].x[2 * r], o[mt][dt].x[2 * r + 1]);
+                    u32 addr = sO + swizzled_offset<D>(row, dt) + 4 * t;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(w));
+                }
+                if (t == 0 && row < rows_valid) gL[row] = lse[mt][r];
+            }
+        __syncthreads();
+        constexpr int CHUNKS = BR * D / 8;
+#pragma unroll
+        for (int it = 0; it < CHUNKS / THREADS; ++it) {
+            int c = it * THREADS + tid;
+            int row = c / (D / 8), ch = c % (D / 8);
+            if (row < rows_valid) {
+                uint4 w;
+                u32 addr = sO + swizzled_offset<D>(row, ch);
+                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                             : "r"(addr));
+                *reinterpret_cast<uint4*>(gO + row * o_row + ch * 8) = w;
+            }
+        }
+    }
+
+    static __device__ __forceinline__ void run(const FwdParams& p, char* smem) {
+        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int heads = p.batch * p.hq;
+        int m_block, bh;
+        if (p.longest_first) {
+            // Later query tiles see more keys under a causal rule: start them first, across all
+            // heads, so the tail of the launch is short tiles.
+            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
+            bh = blockIdx.x % heads;
+        } else {
+            // Consecutive blocks share a head: its K and V stay in L2.
+            m_block = blockIdx.x % p.num_m_blocks;
+            bh = blockIdx.x / p.num_m_blocks;
+        }
+        const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
+
+        int q_start = 0, k_start = 0, sq = p.sq, sk = p.sk;
+        if (p.cu_seqlens_q) {
+            q_start = p.cu_seqlens_q[b];
+            sq = p.cu_seqlens_q[b + 1] - q_start;
+            k_start = p.cu_seqlens_k[b];
+            sk = p.cu_seqlens_k[b + 1] - k_start;
+        }
+        const int row0 = m_block * BR;
+        if (row0 >= sq) return;
+        const int rows_valid = min(BR, sq - row0);
+        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+
+        const u16* gQ = p.q + b * p.q_batch + (long long)(q_start + row0) * p.q_row + h * p.q_head;
+        const u16* gK = p.k + b * p.k_batch + (long long)k_start * p.k_row + hk * p.k_head;
+        const u16* gV = p.v + b * p.v_batch + (long long)k_start * p.v_row + hk * p.v_head;
+        u16* gO = p.o + b * p.o_batch + (long long)(q_start + row0) * p.o_row + h * p.o_head;
+        float* gL = p.lse + b * p.lse_batch + h * p.lse_head + q_start + row0;
+
+        const u32 sQ = smem_addr(smem), sK = sQ + Q_BYTES, sV = sK + KV_BYTES;
+        const int warp_row = warp * 16 * MT;
+
+        FragC o[MT][DT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[mt][dt].x[e] = 0.f;
+        OnlineSoftmax<MT> softmax;
+        softmax.init();
+
+        int key_lo, key_hi;
+        vis.key_range(row0, row0 + rows_valid, key_lo, key_hi);
+        const int n_begin = key_lo / BC, n_end = (key_hi + BC - 1) / BC;
+
+        if (n_begin < n_end) {
+            load_tile_async<BR, D, THREADS>(sQ, gQ, p.q_row, rows_valid, tid);
+            int n = n_end - 1;
+            load_tile_async<BC, D, THREADS>(sK, gK + (long long)n * BC * p.k_row, p.k_row, sk - n * BC, tid);
+            cp_async_commit();
+            // Key tiles last to first: the Partial tiles of a causal mask come first, while the
+            // row max is still forming (as FlashAttention-2).
+            for (; n >= n_begin; --n) {
+                const int col0 = n * BC;
+                cp_async_wait<0>();
+                __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
+                load_tile_async<BC, D, THREADS>(sV, gV + (long long)col0 * p.v_row, p.v_row, sk - col0, tid);
+                cp_async_commit();
+
+                FragC s[MT][NT];
+                scores(s, sQ, sK, warp_row, lane, p.scale_log2);
+                if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                    apply_mask(s, vis, row0 + warp_row, col0, lane);
+
+                __syncthreads();  // every warp is done reading K[n]
+                if (n > n_begin) {
+                    int c = col0 - BC;
+                    load_tile_async<BC, D, THREADS>(sK, gK + (long long)c * p.k_row, p.k_row, sk - c, tid);
+                }
+                cp_async_commit();
+
+                softmax.update(s, o);
+                cp_async_wait<1>();
+                __syncthreads();  // V[n] landed
+                accumulate_pv(o, s, sV, lane);
+            }
+        }
+
+        float lse[MT][2];
+        softmax.finish(o, lse);
+        __syncthreads();  // the Q tile's memory is reused for the output
+        store(o, lse, sQ, gO, p.o_row, gL, rows_valid, warp_row, lane, tid);
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32) flash_fwd(const FwdParams p) {
+    extern __shared__ __align__(128) char smem[];
+    FlashFwd<FA_D, FA_MT, FA_BC, FA_WARPS, FA_BF16 != 0>::run(p, smem);
+}
+

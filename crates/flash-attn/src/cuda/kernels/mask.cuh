@@ -1,0 +1,42 @@
+// The visibility rule of DESIGN §2 on the device: a transcription of `mask::Visibility::span`,
+// `key_range` and `classify` (interval rules only: causal both ways and the sliding window).
+// Varlen needs no rule: a block only ever sees one sequence's rows and keys.
+
+enum CausalRule { CAUSAL_NONE = 0, CAUSAL_BOTTOM_RIGHT = 1, CAUSAL_TOP_LEFT = 2 };
+
+struct Visibility {
+    int sq, sk, off;   // off = sk - sq aligns bottom-right causal and windows
+    int causal;        // CausalRule
+    int left, right;   // window sides, -1 = unbounded
+
+    // Keys [lo, hi) visible to query i; both ends non-decreasing in i, lo <= hi.
+    __device__ __forceinline__ void span(int i, int& lo, int& hi) const {
+        int pos = i + off;
+        lo = 0;
+        hi = sk;
+        if (causal == CAUSAL_BOTTOM_RIGHT) hi = min(hi, pos + 1);
+        if (causal == CAUSAL_TOP_LEFT) hi = min(hi, i + 1);
+        if (left >= 0) lo = max(lo, pos - left);
+        if (right >= 0) hi = min(hi, pos + right + 1);
+        lo = min(max(lo, 0), sk);
+        hi = min(max(hi, lo), sk);
+    }
+
+    // Keys any of rows [r0, r1) may see: the bound of a query tile's key loop.
+    __device__ __forceinline__ void key_range(int r0, int r1, int& lo, int& hi) const {
+        int lo0, hi0, lo1, hi1;
+        span(r0, lo0, hi0);
+        span(r1 - 1, lo1, hi1);
+        lo = lo0;
+        hi = max(hi1, lo0);
+    }
+
+    // Whether every (i, j) of rows [r0, r1) x cols [c0, c1) is visible (TileClass::Full): the
+    // predicate is then skipped. Monotone spans make the two corner rows decide.
+    __device__ __forceinline__ bool tile_full(int r0, int r1, int c0, int c1) const {
+        int lo_first, hi_first, lo_last, hi_last;
+        span(r0, lo_first, hi_first);
+        span(r1 - 1, lo_last, hi_last);
+        return lo_last <= c0 && hi_first >= c1;
+    }
+};

@@ -1,0 +1,76 @@
+// The online-softmax state of one warp's rows (FlashAttention-2, Algorithm 1 lines 8-10):
+// a running row max and a running, per-thread partial row sum; the output accumulator is
+// rescaled when the max grows and normalised once at the end.
+//
+// Scores arrive already multiplied by scale·log2(e), so probabilities are exp2(s - max) and the
+// lse is (max + log2(sum)) · ln 2.
+
+template <int MT>
+struct OnlineSoftmax {
+    float row_max[MT][2];  // rows g and g + 8 of each 16-row tile, log2 units
+    float row_sum[MT][2];  // this thread's partial sums; quad-reduced in finish()
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                row_max[mt][r] = -FA_INF;
+                row_sum[mt][r] = 0.f;
+            }
+    }
+
+    // Turns the score tile s into probabilities in place and rescales the output accumulator o.
+    template <int NT, int DT>
+    __device__ __forceinline__ void update(FragC (&s)[MT][NT], FragC (&o)[MT][DT]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float m = row_max[mt][r];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) m = fmaxf(m, fmaxf(s[mt][nt].x[2 * r], s[mt][nt].x[2 * r + 1]));
+                m = quad_max(m);
+                // A row with nothing visible yet keeps max = -inf; subtracting 0 instead keeps
+                // exp2(-inf) = 0 rather than NaN.
+                float base = (m == -FA_INF) ? 0.f : m;
+                float correction = fast_exp2(row_max[mt][r] - base);
+                row_max[mt][r] = m;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float p0 = fast_exp2(s[mt][nt].x[2 * r] - base);
+                    float p1 = fast_exp2(s[mt][nt].x[2 * r + 1] - base);
+                    s[mt][nt].x[2 * r] = p0;
+                    s[mt][nt].x[2 * r + 1] = p1;
+                    sum += p0 + p1;
+                }
+                row_sum[mt][r] = row_sum[mt][r] * correction + sum;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    o[mt][dt].x[2 * r] *= correction;
+                    o[mt][dt].x[2 * r + 1] *= correction;
+                }
+            }
+    }
+
+    // Final normalisation (Algorithm 1 line 12): o /= sum, and each row's natural-log lse.
+    // Rows that saw no key get o = 0 and lse = -inf (DESIGN §2, rule 5).
+    template <int DT>
+    __device__ __forceinline__ void finish(FragC (&o)[MT][DT], float (&lse)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float sum = quad_sum(row_sum[mt][r]);
+                bool empty = !(sum > 0.f);
+                float inv = empty ? 0.f : 1.f / sum;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    o[mt][dt].x[2 * r] *= inv;
+                    o[mt][dt].x[2 * r + 1] *= inv;
+                }
+                lse[mt][r] = empty ? -FA_INF : (row_max[mt][r] + __log2f(sum)) * FA_LN2;
+            }
+    }
+};

@@ -1,0 +1,171 @@
+// Tile and fragment helpers for sm_80+ tensor cores (mma.sync m16n8k16, ldmatrix, cp.async).
+//
+// The host concatenates tile.cuh, mask.cuh, softmax.cuh and flash_fwd.cuh into one program (in
+// that order), so these files carry no #include.
+//
+// Self-contained on purpose: no CUDA headers, so NVRTC compiles it without cuda_fp16.h /
+// cuda_bf16.h. Elements of q, k, v, out travel as raw 16-bit words; the dtype only picks the
+// mma instruction and the f32 -> 16-bit conversion.
+//
+// Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane = 4 * g + t:
+//   FragA (16x16, row-major A): x[0] = A[g][2t..2t+1],  x[1] = A[g+8][2t..],
+//                               x[2] = A[g][2t+8..],    x[3] = A[g+8][2t+8..]
+//   FragB (16x8, B[k][n]):      x[0] = B[2t..2t+1][g],  x[1] = B[2t+8..2t+9][g]
+//   FragC (16x8, f32):          x[0..1] = C[g][2t..2t+1], x[2..3] = C[g+8][2t..2t+1]
+// so a thread owns rows g and g + 8 of every 16-row tile, and the four threads of a quad
+// (same g) share a row: row reductions are two xor-shuffles.
+
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define FA_INF __int_as_float(0x7f800000)
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+
+struct FragA { u32 x[4]; };
+struct FragB { u32 x[2]; };
+struct FragC { float x[4]; };
+
+// ---------------------------------------------------------------- shared memory layout
+// A tile of ROWS x D 16-bit elements, stored as 16-byte chunks (8 elements). Chunk c of row r
+// lives at chunk position r * (D / 8) + (c ^ (r % 8)): the 8 rows an ldmatrix reads at one
+// logical chunk land in 8 distinct 16-byte bank groups, so neither ldmatrix nor the cp.async
+// writes conflict (needs D / 8 >= 8, i.e. D >= 64).
+template <int D>
+__device__ __forceinline__ u32 swizzled_offset(int row, int chunk) {
+    static_assert(D % 64 == 0, "swizzle needs rows of at least 8 chunks");
+    return (u32)((row * (D / 8) + (chunk ^ (row & 7))) * 16);
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// ---------------------------------------------------------------- async global -> shared copy
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+    // src-size 0 zero-fills the 16 bytes: rows past the end of a sequence become zeros.
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Copies rows [0, ROWS) of a tile whose row r starts at g + r * row_stride (elements) into the
+// swizzled tile at `tile`; rows >= rows_valid are zero-filled. All THREADS threads take part.
+template <int ROWS, int D, int THREADS>
+__device__ __forceinline__ void load_tile_async(u32 tile, const u16* g, long long row_stride, int rows_valid,
+                                                int tid) {
+    constexpr int CHUNKS_PER_ROW = D / 8;
+    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    static_assert(CHUNKS % THREADS == 0, "tile must split evenly over the threads");
+#pragma unroll
+    for (int it = 0; it < CHUNKS / THREADS; ++it) {
+        int c = it * THREADS + tid;
+        int r = c / CHUNKS_PER_ROW, ch = c % CHUNKS_PER_ROW;
+        bool valid = r < rows_valid;
+        const u16* src = valid ? g + r * row_stride + ch * 8 : g;
+        cp_async_16(tile + swizzled_offset<D>(r, ch), src, valid);
+    }
+}
+
+// ---------------------------------------------------------------- ldmatrix
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                 : "r"(addr));
+}
+
+// A operand: rows [row0, row0 + 16) x cols [16 kk, 16 kk + 16) of a row-major swizzled tile.
+// Lanes 0-15 address rows row0 + lane at chunk 2kk, lanes 16-31 the same rows at chunk 2kk + 1.
+template <int D>
+__device__ __forceinline__ FragA load_a(u32 tile, int row0, int kk, int lane) {
+    FragA a;
+    u32 addr = tile + swizzled_offset<D>(row0 + (lane & 15), 2 * kk + (lane >> 4));
+    ldmatrix_x4(addr, a.x[0], a.x[1], a.x[2], a.x[3]);
+    return a;
+}
+
+// B operands of two n-tiles from a tile stored [n][k] (K in Q·Kᵀ): rows n0..n0+15, k-chunk
+// pair kk. Matrices: (n0..7, k lo), (n0..7, k hi), (n8..15, k lo), (n8..15, k hi).
+template <int D>
+__device__ __forceinline__ void load_b_pair(u32 tile, int n0, int kk, int lane, FragB& b0, FragB& b1) {
+    int row = n0 + (lane & 7) + ((lane >> 4) << 3);
+    int chunk = 2 * kk + ((lane >> 3) & 1);
+    ldmatrix_x4(tile + swizzled_offset<D>(row, chunk), b0.x[0], b0.x[1], b1.x[0], b1.x[1]);
+}
+
+// B operands of two n-tiles from a tile stored [k][n] (V in P·V), transposed on load: keys
+// k0..k0+15, columns (head dim) 16 dp .. 16 dp + 15. Matrices: (k lo, n lo), (k hi, n lo),
+// (k lo, n hi), (k hi, n hi).
+template <int D>
+__device__ __forceinline__ void load_b_pair_trans(u32 tile, int k0, int dp, int lane, FragB& b0, FragB& b1) {
+    int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+    int chunk = 2 * dp + (lane >> 4);
+    ldmatrix_x4_trans(tile + swizzled_offset<D>(row, chunk), b0.x[0], b0.x[1], b1.x[0], b1.x[1]);
+}
+
+// ---------------------------------------------------------------- mma and conversions
+template <bool BF16>
+__device__ __forceinline__ void mma(FragC& c, const FragA& a, const FragB& b) {
+    if (BF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
+            : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
+            : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
+    }
+}
+
+// Two f32 rounded to nearest even into one 32-bit word, `lo` in the low half (lower column).
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    if (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// ---------------------------------------------------------------- quad (row) reductions
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The S accumulator of two adjacent n-tiles (16 keys) becomes the A operand of P·V: the C and A
+// layouts agree row for row, so P never leaves registers (FlashAttention-2 §3.1).
+template <bool BF16>
+__device__ __forceinline__ FragA scores_to_a(const FragC& lo, const FragC& hi) {
+    FragA a;
+    a.x[0] = pack2<BF16>(lo.x[0], lo.x[1]);
+    a.x[1] = pack2<BF16>(lo.x[2], lo.x[3]);
+    a.x[2] = pack2<BF16>(hi.x[0], hi.x[1]);
+    a.x[3] = pack2<BF16>(hi.x[2], hi.x[3]);
+    return a;
+}

@@ -1,0 +1,349 @@
+//! The CUDA backend (cargo feature `cuda`): FlashAttention-2-class forward kernels for sm_80+,
+//! written in CUDA C++ (`kernels/*.cuh`), compiled at first use by NVRTC into a CUBIN for the
+//! device's exact architecture and cached on disk (DESIGN §4).
+//!
+//! The driver and NVRTC are loaded dynamically: a machine without them gets
+//! [`Error::CudaUnavailable`] / [`Error::NvrtcUnavailable`], never a panic.
+//!
+//! ```no_run
+//! # use flash_attn::{AttentionSpec, Tensor};
+//! # use half::bf16;
+//! let (b, s, h, d) = (1, 256, 4, 64);
+//! let x: Vec<bf16> = (0..b * s * h * d).map(|i| bf16::from_f32((i as f32 * 0.1).sin())).collect();
+//! let t = Tensor::new(&x, &[b, s, h, d]);
+//! let res = flash_attn::cuda::forward_host(&AttentionSpec::new().causal(), &t, &t, &t)?;
+//! # Ok::<(), flash_attn::Error>(())
+//! ```
+//!
+//! Supported today: `f16`/`bf16`, `d == dv ∈ {64, 128}`, causal (bottom-right and top-left),
+//! sliding windows, GQA/MQA, fixed-length and varlen batches, strided inputs whose strides are
+//! multiples of 8 elements. Softcap, ALiBi, block-sparse masks and dropout return
+//! [`Error::Unsupported`].
+
+mod kernels;
+mod launch;
+pub mod nvrtc;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError};
+
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::spec::{AttentionSpec, Geometry};
+use crate::tensor::{Tensor, TensorMut};
+use crate::Output;
+
+pub use kernels::{Variant, HEAD_DIMS};
+pub use nvrtc::Arch;
+
+/// Element types the CUDA kernels take: [`half::f16`] and [`half::bf16`].
+pub trait CudaElement: Element + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {}
+impl CudaElement for half::f16 {}
+impl CudaElement for half::bf16 {}
+
+/// A CUDA driver error as a library error: out-of-memory gets its own variant.
+pub(crate) fn driver_error(what: &str, e: DriverError) -> Error {
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        Error::DeviceOutOfMemory(format!("{what}: {e:?}"))
+    } else {
+        Error::CudaLaunch(format!("{what}: {e:?}"))
+    }
+}
+
+/// Whether the CUDA driver library can be loaded (checked before any driver call).
+pub fn driver_available() -> Result<()> {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only tries to dlopen the library by its candidate names.
+    if *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() }) {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable("the CUDA driver library (libcuda.so.1) was not found".into()))
+    }
+}
+
+/// A GPU, its stream, and the kernels loaded on it so far.
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    functions: Mutex<HashMap<Variant, CudaFunction>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("ordinal", &self.ctx.ordinal()).field("arch", &self.arch).finish()
+    }
+}
+
+impl Device {
+    /// Opens GPU `ordinal` (its primary context and a new stream). Needs compute capability 8.0+.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        driver_available()?;
+        nvrtc::available()?;
+        let count = CudaContext::device_count()
+            .map_err(|e| Error::CudaUnavailable(format!("cuInit/cuDeviceGetCount: {e:?}")))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::CudaUnavailable(format!("GPU {ordinal} requested, {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::CudaUnavailable(format!("GPU {ordinal}: {e:?}")))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| driver_error("compute capability", e))?;
+        if major < 8 {
+            return Err(Error::CudaUnavailable(format!(
+                "GPU {ordinal} has compute capability {major}.{minor}; the kernels need 8.0 or newer"
+            )));
+        }
+        let stream = ctx.new_stream().map_err(|e| driver_error("cuStreamCreate", e))?;
+        Ok(Self {
+            ctx,
+            stream,
+            arch: Arch::from_compute_capability(major, minor),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The stream every launch of this device goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The architecture kernels are compiled for.
+    pub fn arch(&self) -> &Arch {
+        &self.arch
+    }
+
+    /// The loaded function of `variant`, compiling (or reading the cache) on first use.
+    pub(crate) fn function(&self, variant: &Variant) -> Result<CudaFunction> {
+        let mut map = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = map.get(variant) {
+            return Ok(f.clone());
+        }
+        let compiled = nvrtc::compile(&variant.name(), &kernels::forward_source(), &variant.options(), &self.arch)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+            .map_err(|e| driver_error("cuModuleLoadData", e))?;
+        let f = module.load_function("flash_fwd").map_err(|e| driver_error("cuModuleGetFunction", e))?;
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            variant.smem_bytes() as i32,
+        )
+        .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+        map.insert(*variant, f.clone());
+        Ok(f)
+    }
+
+    /// Copies a host slice to a new device buffer.
+    pub fn upload<T: CudaElement>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(host).map_err(|e| driver_error("upload", e))
+    }
+
+    /// Attention forward on device buffers, enqueued on [`Device::stream`] (asynchronous).
+    ///
+    /// `q`, `k`, `v`, `out` are strided views in the shapes of DESIGN §2; `lse` is contiguous
+    /// `[b, hq, sq]` (or `[hq, tq]`). Varlen `cu_seqlens` stay host slices in the spec (they are
+    /// copied to the device for the launch).
+    pub fn forward<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k: &DeviceTensor<'_, T>,
+        v: &DeviceTensor<'_, T>,
+        out: &mut DeviceTensorMut<'_, T>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        self.forward_variant(spec, q, k, v, out, lse, None)
+    }
+
+    /// [`Device::forward`] with an explicit kernel variant (`None`: the default for the dtype and
+    /// head dim). For benchmarks and tests of every tile shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_variant<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k: &DeviceTensor<'_, T>,
+        v: &DeviceTensor<'_, T>,
+        out: &mut DeviceTensorMut<'_, T>,
+        lse: &mut CudaViewMut<'_, f32>,
+        variant: Option<Variant>,
+    ) -> Result<()> {
+        let units_q = vec![(); q.data.len()];
+        let units_k = vec![(); k.data.len()];
+        let units_v = vec![(); v.data.len()];
+        let mut units_o = vec![(); out.data.len()];
+        let g = Geometry::new(
+            spec,
+            &Tensor::with_strides(&units_q, &q.shape, &q.strides),
+            &Tensor::with_strides(&units_k, &k.shape, &k.strides),
+            &Tensor::with_strides(&units_v, &v.shape, &v.strides),
+        )?;
+        let o_layout = g.check_output_like(
+            "out",
+            &TensorMut::with_strides(&mut units_o, &out.shape, &out.strides),
+            &g.out_shape(),
+            true,
+        )?;
+        g.check_lse_len(lse.len())?;
+        let variant = match variant {
+            Some(v) => v,
+            None => launch::supported(spec, &g, T::DTYPE)?,
+        };
+        if variant.dtype != T::DTYPE || variant.d != g.d {
+            return Err(Error::Unsupported(format!(
+                "variant {} does not fit {} d = {}",
+                variant.name(),
+                T::DTYPE,
+                g.d
+            )));
+        }
+        let f = self.function(&variant)?;
+        launch::forward(self, &f, &variant, &g, q, k, v, out, o_layout, lse)
+    }
+}
+
+/// A read-only strided view of a device buffer (shape and strides in elements, as [`Tensor`]).
+#[derive(Debug)]
+pub struct DeviceTensor<'a, T> {
+    pub(crate) data: CudaView<'a, T>,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) strides: Vec<usize>,
+}
+
+impl<'a, T> DeviceTensor<'a, T> {
+    /// A row-major contiguous view.
+    pub fn new(data: CudaView<'a, T>, shape: &[usize]) -> Self {
+        Self { data, shape: shape.to_vec(), strides: crate::tensor::contiguous_strides(shape) }
+    }
+
+    /// A view with explicit strides (last stride 1).
+    pub fn with_strides(data: CudaView<'a, T>, shape: &[usize], strides: &[usize]) -> Self {
+        Self { data, shape: shape.to_vec(), strides: strides.to_vec() }
+    }
+}
+
+/// A writable strided view of a device buffer.
+#[derive(Debug)]
+pub struct DeviceTensorMut<'a, T> {
+    pub(crate) data: CudaViewMut<'a, T>,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) strides: Vec<usize>,
+}
+
+impl<'a, T> DeviceTensorMut<'a, T> {
+    /// A row-major contiguous view.
+    pub fn new(data: CudaViewMut<'a, T>, shape: &[usize]) -> Self {
+        Self { data, shape: shape.to_vec(), strides: crate::tensor::contiguous_strides(shape) }
+    }
+
+    /// A view with explicit strides (last stride 1).
+    pub fn with_strides(data: CudaViewMut<'a, T>, shape: &[usize], strides: &[usize]) -> Self {
+        Self { data, shape: shape.to_vec(), strides: strides.to_vec() }
+    }
+}
+
+/// The process-wide device 0, opened on first use (the error, if any, is kept and returned to
+/// every later call).
+pub fn default_device() -> Result<&'static Device> {
+    static DEVICE: OnceLock<Result<Device>> = OnceLock::new();
+    DEVICE.get_or_init(|| Device::new(0)).as_ref().map_err(Clone::clone)
+}
+
+/// Attention forward on GPU 0 for host inputs: copies `q`, `k`, `v` (their whole buffers, strides
+/// kept) to the device, runs the kernel, and copies `out` (contiguous) and `lse` back.
+pub fn forward_host<T: CudaElement>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+) -> Result<Output<T>> {
+    forward_host_variant(spec, q, k, v, None)
+}
+
+/// [`forward_host`] with an explicit kernel variant.
+pub fn forward_host_variant<T: CudaElement>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    variant: Option<Variant>,
+) -> Result<Output<T>> {
+    let g = Geometry::new(spec, q, k, v)?;
+    let variant = match variant {
+        Some(v) => v,
+        None => launch::supported(spec, &g, T::DTYPE)?,
+    };
+    let dev = default_device()?;
+    let (dq, dk, dv) = (dev.upload(q.data())?, dev.upload(k.data())?, dev.upload(v.data())?);
+    let out_shape = g.out_shape();
+    let lse_shape = g.lse_shape();
+    let out_len: usize = out_shape.iter().product();
+    let alloc = |what: &str, e| driver_error(what, e);
+    let mut dout = dev.stream.alloc_zeros::<T>(out_len.max(1)).map_err(|e| alloc("alloc out", e))?;
+    let mut dlse = dev.stream.alloc_zeros::<f32>(g.lse_len().max(1)).map_err(|e| alloc("alloc lse", e))?;
+    {
+        let qt = DeviceTensor::with_strides(dq.as_view(), q.shape(), q.strides());
+        let kt = DeviceTensor::with_strides(dk.as_view(), k.shape(), k.strides());
+        let vt = DeviceTensor::with_strides(dv.as_view(), v.shape(), v.strides());
+        let mut ot = DeviceTensorMut::new(dout.slice_mut(0..out_len), &out_shape);
+        let mut lt = dlse.slice_mut(0..g.lse_len());
+        dev.forward_variant(spec, &qt, &kt, &vt, &mut ot, &mut lt, Some(variant))?;
+    }
+    let mut out = dev.stream.clone_dtoh(&dout).map_err(|e| driver_error("download out", e))?;
+    let mut lse = dev.stream.clone_dtoh(&dlse).map_err(|e| driver_error("download lse", e))?;
+    dev.stream.synchronize().map_err(|e| driver_error("synchronize", e))?;
+    out.truncate(out_len);
+    lse.truncate(g.lse_len());
+    Ok(Output { out, out_shape, lse, lse_shape })
+}
+
+/// What compiling one variant for one architecture gave.
+#[derive(Debug, Clone)]
+pub struct VariantReport {
+    /// The variant's name.
+    pub name: String,
+    /// The target (`sm_80`, `sm_90a`, ...).
+    pub arch: String,
+    /// Registers per thread (from ptxas's report, or the driver when a device is present).
+    pub registers: Option<u32>,
+    /// Bytes spilled to local memory (ptxas's `spill stores`).
+    pub spill_bytes: Option<u32>,
+    /// `Ok(())`, or the compile error (with NVRTC's log).
+    pub result: std::result::Result<(), Error>,
+    /// NVRTC's log.
+    pub log: String,
+}
+
+impl VariantReport {
+    /// Whether the variant compiled.
+    pub fn ok(&self) -> bool {
+        self.result.is_ok()
+    }
+}
+
+/// Compiles every kernel variant for each architecture in `archs` (no GPU needed: NVRTC only),
+/// reporting registers and spills from ptxas. Fails only when NVRTC itself is missing.
+pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
+    nvrtc::available()?;
+    let source = kernels::forward_source();
+    let mut reports = Vec::new();
+    for arch in archs {
+        for v in Variant::all() {
+            let r = nvrtc::compile(&v.name(), &source, &v.options(), arch);
+            let (log, result) = match r {
+                Ok(c) => (c.log, Ok(())),
+                Err(Error::KernelCompile { kernel, log }) => (log.clone(), Err(Error::KernelCompile { kernel, log })),
+                Err(e) => return Err(e),
+            };
+            let (registers, spill_bytes) = nvrtc::ptxas_usage(&log);
+            reports.push(VariantReport { name: v.name(), arch: arch.0.clone(), registers, spill_bytes, result, log });
+        }
+    }
+    Ok(reports)
+}
