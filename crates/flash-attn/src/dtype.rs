@@ -95,6 +95,8 @@ pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 
     fn to_f64(self) -> f64 {
         self.to_f32() as f64
     }
+    /// Neither infinite nor NaN (a bit test, no conversion).
+    fn is_finite(self) -> bool;
     /// Widen a slice to `f32` (vectorised, with run-time F16C detection for `f16`); lengths equal.
     fn widen_slice(src: &[Self], dst: &mut [f32]);
     /// The slice itself when the type is `f32`, so kernels can read it in place.
@@ -119,6 +121,10 @@ impl Element for f32 {
     #[inline(always)]
     fn from_f64(x: f64) -> Self {
         x as f32
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
     }
     #[inline]
     fn widen_slice(src: &[Self], dst: &mut [f32]) {
@@ -148,6 +154,10 @@ impl Element for f16 {
     fn from_f64(x: f64) -> Self {
         f16::from_f64(x)
     }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f16::is_finite(self)
+    }
     #[inline]
     fn widen_slice(src: &[Self], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst);
@@ -171,6 +181,10 @@ impl Element for bf16 {
     #[inline(always)]
     fn from_f64(x: f64) -> Self {
         bf16::from_f64(x)
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        bf16::is_finite(self)
     }
     #[inline]
     fn widen_slice(src: &[Self], dst: &mut [f32]) {

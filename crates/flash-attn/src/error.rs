@@ -137,7 +137,7 @@ pub enum Error {
     #[error("block mask is invalid: {0}")]
     BlockMask(String),
 
-    /// ALiBi slopes of the wrong shape or with non-finite values.
+    /// ALiBi slopes of the wrong shape (non-finite slopes propagate like any non-finite input).
     #[error("ALiBi slopes are invalid: {0}")]
     Alibi(String),
 

@@ -90,10 +90,10 @@ impl Visibility<'_> {
         }
         if let Some((left, right)) = self.window {
             if left >= 0 {
-                lo = lo.max(pos - left);
+                lo = lo.max(pos.saturating_sub(left));
             }
             if right >= 0 {
-                hi = hi.min(pos + right + 1);
+                hi = hi.min(pos.saturating_add(right).saturating_add(1));
             }
         }
         let lo = lo.clamp(0, sk);

@@ -40,7 +40,6 @@ trait Real:
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn tanh(self) -> Self;
-    fn max(self, other: Self) -> Self;
 }
 
 macro_rules! impl_real {
@@ -62,9 +61,6 @@ macro_rules! impl_real {
             }
             fn tanh(self) -> Self {
                 <$t>::tanh(self)
-            }
-            fn max(self, other: Self) -> Self {
-                <$t>::max(self, other)
             }
         }
     };
@@ -201,7 +197,9 @@ impl<R: Real, T: Element> Oracle<'_, '_, R, T> {
         // P = softmax(S) row by row (step 5); P overwrites S.
         let mut lse = vec![f64::NEG_INFINITY; sq];
         for (i, row) in p.chunks_mut(sk.max(1)).take(sq).enumerate() {
-            let m = row.iter().fold(R::NEG_INF, |a, &b| a.max(b));
+            // The row maximum, NaN if any score is NaN (so NaN inputs propagate).
+            #[allow(clippy::eq_op)]
+            let m = row.iter().fold(R::NEG_INF, |a, &b| if b > a || b != b { b } else { a });
             if m == R::NEG_INF {
                 row.fill(R::ZERO); // no visible key: P = 0, lse = -inf
                 continue;
@@ -252,13 +250,17 @@ impl<R: Real, T: Element> Oracle<'_, '_, R, T> {
             for h in 0..g.hq {
                 let pr = self.probs(seq, h);
                 let hk = g.kv_head(h);
+                let vis = g.visibility(seq, h);
                 for i in 0..seq.sq {
                     lse[g.lse_index(seq, h, i)] = pr.lse[i];
                     let oi = (g.q_token(seq, i) * g.hq + h) * g.dv;
-                    // O = P' V (step 7).
+                    // O = P' V over the keys row i sees (step 7): an invisible key contributes
+                    // nothing, not 0 · v_j (which would let a NaN value reach rows that cannot
+                    // see it).
+                    let seen: Vec<usize> = (0..seq.sk).filter(|&j| vis.visible(i, j)).collect();
                     for x in 0..g.dv {
                         let mut acc = R::ZERO;
-                        for j in 0..seq.sk {
+                        for &j in &seen {
                             let vj = g.v.row(seq, seq.k_start, j, hk);
                             acc = acc + self.dropped(&pr, i * seq.sk + j) * Self::x(self.v, vj + x);
                         }

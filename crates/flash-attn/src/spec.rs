@@ -288,6 +288,9 @@ fn check_cu_seqlens(which: &'static str, cu: &[i32], batch: usize, tokens: usize
     if cu[0] != 0 {
         return Err(err(format!("must start at 0, starts at {}", cu[0])));
     }
+    if let Some(&c) = cu.iter().find(|&&c| c < 0) {
+        return Err(err(format!("has negative entry {c}")));
+    }
     let mut out = Vec::with_capacity(cu.len());
     for (i, w) in cu.windows(2).enumerate() {
         if w[1] < w[0] {
@@ -373,8 +376,11 @@ impl<'a> Geometry<'a> {
             total_k = b * sk;
         }
         let batch = seqs.len();
-        let max_sq = seqs.iter().map(|s| s.sq).max().unwrap_or(0);
-        let max_sk = seqs.iter().map(|s| s.sk).max().unwrap_or(0);
+        let (max_sq, max_sk) = if varlen {
+            (seqs.iter().map(|s| s.sq).max().unwrap_or(0), seqs.iter().map(|s| s.sk).max().unwrap_or(0))
+        } else {
+            (qs[1], ks[1]) // also when the batch is empty
+        };
 
         let scale = spec.scale.unwrap_or(1.0 / (d as f32).sqrt());
         if !scale.is_finite() {

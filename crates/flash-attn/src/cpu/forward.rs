@@ -2,7 +2,7 @@
 //! query tile stays put, key/value tiles stream past it).
 
 use super::blocking::Tiles;
-use super::gemm::gemm;
+use super::gemm::{gemm, gemm_acc_skipping_zeros};
 use super::softmax::OnlineSoftmax;
 use super::tile::{load_rows, rows_f32, score_tile, transpose, ScoreMod};
 use super::Sink;
@@ -47,6 +47,8 @@ pub(super) struct Context<'a, T> {
     pub out_layout: RowLayout,
     pub lse: &'a Sink<f32>,
     pub tiles: Tiles,
+    /// Whether every value of `v` is finite (the fast GEMM is then exact for masked keys).
+    pub v_finite: bool,
 }
 
 impl<T: Element> Context<'_, T> {
@@ -96,7 +98,12 @@ impl<T: Element> Context<'_, T> {
                 }
             }
             let (v, ldv) = rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
-            gemm(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc), true);
+            if class == TileClass::Partial && !self.v_finite {
+                // Masked probabilities are exact zeros: never form 0 · NaN for a hidden key.
+                gemm_acc_skipping_zeros(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc));
+            } else {
+                gemm(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc), true);
+            }
         }
 
         // One final normalisation (FA2), then write O_i and L_i (lines 12-13).

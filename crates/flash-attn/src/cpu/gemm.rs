@@ -125,6 +125,32 @@ pub fn gemm_with(
     gemm_portable(c, ldc, a, lda, trans_a, b, ldb, m, n, k, accumulate)
 }
 
+/// `C += A · B` skipping the zero entries of `A`, so that `0 · x` is never formed: for products
+/// whose zeros are masked probabilities and whose `B` may hold NaN or infinities, which must not
+/// reach rows that cannot see them. Portable and slower; used only on such inputs.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_acc_skipping_zeros(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    (m, n, k): (usize, usize, usize),
+) {
+    for i in 0..m {
+        let ci = &mut c[i * ldc..i * ldc + n];
+        for p in 0..k {
+            let aip = a[i * lda + p];
+            if aip != 0.0 {
+                for (cij, &bpj) in ci.iter_mut().zip(&b[p * ldb..p * ldb + n]) {
+                    *cij += aip * bpj;
+                }
+            }
+        }
+    }
+}
+
 /// Element `(i, p)` of `A` (stored transposed when `TA`).
 #[inline(always)]
 fn a_index<const TA: bool>(i: usize, p: usize, lda: usize) -> usize {

@@ -105,10 +105,12 @@ pub fn forward_into_tiled<T: Element>(
     if tiles.br == 0 || tiles.bc == 0 {
         return Err(Error::Unsupported(format!("tile sizes must be positive, got {tiles:?}")));
     }
+    // Tiles larger than the problem buy nothing; clamping keeps scratch sizes bounded.
+    let tiles = Tiles { br: tiles.br.min(g.max_sq.max(1)), bc: tiles.bc.min(g.max_sk.max(1)) };
     let out_layout: RowLayout = g.check_out(out, lse)?;
 
     let mut items: Vec<WorkItem> = Vec::new();
-    for (s, seq) in g.seqs.iter().enumerate() {
+    for (s, seq) in g.seqs.iter().enumerate().filter(|(_, seq)| seq.sq > 0) {
         for head in 0..g.hq {
             for tile in 0..seq.sq.div_ceil(tiles.br) {
                 items.push(WorkItem { seq: s, head, tile });
@@ -132,6 +134,7 @@ pub fn forward_into_tiled<T: Element>(
         out_layout,
         lse: &lse_sink,
         tiles,
+        v_finite: all_finite(g, v),
     };
     items
         .par_iter()
@@ -227,6 +230,19 @@ pub fn backward_into<T: Element>(
         }
     });
     Ok(())
+}
+
+/// Whether every value row that a sequence can read is finite (one pass over `v`, `O(tk · dv)`).
+fn all_finite<T: Element>(g: &Geometry<'_>, v: &Tensor<'_, T>) -> bool {
+    let data = v.data();
+    g.seqs.par_iter().all(|seq| {
+        (0..seq.sk).all(|j| {
+            (0..g.hk).all(|h| {
+                let at = g.v.row(seq, seq.k_start, j, h);
+                data[at..at + g.dv].iter().all(|x| x.is_finite())
+            })
+        })
+    })
 }
 
 /// Varlen keys after the last sequence are seen by no query: their gradients are zero.

@@ -35,7 +35,11 @@ impl OnlineSoftmax {
             let tile_max = row_max(row);
             let m_new = m.max(tile_max);
             if m_new == f32::NEG_INFINITY {
-                // Nothing visible yet in this row: every probability is 0.
+                // Nothing finite visible yet in this row: every probability is 0 — unless a score
+                // is NaN (from NaN inputs), which must reach the output as the oracle's does.
+                if row.iter().any(|x| x.is_nan()) {
+                    *l = f32::NAN;
+                }
                 row.fill(0.0);
                 continue;
             }
@@ -54,6 +58,9 @@ impl OnlineSoftmax {
     /// `None` for a row that saw no key (its output is 0 and its `lse` is `-inf`).
     pub fn finish(&self, r: usize) -> Option<(f32, f32)> {
         let (m, l) = (self.row_max[r], self.row_sum[r]);
+        if l.is_nan() {
+            return Some((f32::NAN, f32::NAN));
+        }
         if m == f32::NEG_INFINITY || l == 0.0 {
             return None;
         }

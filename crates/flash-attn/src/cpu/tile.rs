@@ -14,8 +14,9 @@ use crate::spec::{Geometry, RowLayout, Sequence};
 pub(super) struct ScoreMod {
     /// Multiplies `q` when it is loaded: `scale · log2 e`, or `scale / c` with a softcap.
     pub q_mult: f32,
-    /// Softcap: `s = cap2 · tanh(q_loaded · k)` with `cap2 = c · log2 e`.
-    cap2: Option<f32>,
+    /// Softcap `c`: `s = (c · tanh(q_loaded · k)) · log2 e` (in that order: `c · log2 e` alone
+    /// overflows for `c` near the largest f32).
+    cap: Option<f32>,
     /// ALiBi slope in base-2 units.
     slope2: Option<f32>,
     /// `sk - sq` of the sequence.
@@ -24,16 +25,16 @@ pub(super) struct ScoreMod {
 
 impl ScoreMod {
     pub fn new(g: &Geometry<'_>, seq: &Sequence, head: usize) -> Self {
-        let (q_mult, cap2) = match g.softcap {
-            Some(c) => (g.scale / c, Some(c * LOG2_E)),
-            None => (g.scale * LOG2_E, None),
+        let q_mult = match g.softcap {
+            Some(c) => g.scale / c,
+            None => g.scale * LOG2_E,
         };
-        ScoreMod { q_mult, cap2, slope2: g.alibi_slope(seq, head).map(|m| m * LOG2_E), off: seq.offset() }
+        ScoreMod { q_mult, cap: g.softcap, slope2: g.alibi_slope(seq, head).map(|m| m * LOG2_E), off: seq.offset() }
     }
 
     /// Whether a softcap is applied (the backward pass then needs `tanh` of each score).
     pub fn has_softcap(&self) -> bool {
-        self.cap2.is_some()
+        self.cap.is_some()
     }
 }
 
@@ -120,16 +121,16 @@ pub(super) fn score_tile(
         if !q_scaled {
             row.iter_mut().for_each(|x| *x *= m.q_mult);
         }
-        if let Some(cap2) = m.cap2 {
+        if let Some(cap) = m.cap {
             let t_row = tanh.as_deref_mut().map(|t| &mut t[r * ld..r * ld + nc]);
             match t_row {
                 Some(t_row) => {
                     for (x, t) in row.iter_mut().zip(t_row) {
                         *t = x.tanh();
-                        *x = cap2 * *t;
+                        *x = (cap * *t) * LOG2_E;
                     }
                 }
-                None => row.iter_mut().for_each(|x| *x = cap2 * x.tanh()),
+                None => row.iter_mut().for_each(|x| *x = (cap * x.tanh()) * LOG2_E),
             }
         }
         if let Some(slope2) = m.slope2 {
