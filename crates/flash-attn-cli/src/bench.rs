@@ -6,6 +6,11 @@
 //! shapes (until about [`TIME_BUDGET`] of timing): `flash_attn::forward_into` alone, then
 //! `forward_into` followed by `backward_into`. Peak extra memory is measured on the warm-up calls
 //! (the forward's, then the backward's alone) with the counting allocator of [`crate::alloc`].
+//!
+//! On `--device cuda` (cuda builds; f16/bf16, forward only) the inputs and outputs are device
+//! buffers made before timing, and each timed call sits between its own pair of CUDA events (see
+//! [`crate::gpu`]); the grid is BENCH.md's `gpu` grid and peak memory is not measured
+//! (`peak_extra_bytes` is `null`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -15,9 +20,10 @@ use flash_attn::check::Rng;
 use flash_attn::{AttentionSpec, DType, Element, Tensor, TensorMut};
 use half::{bf16, f16};
 
+use crate::gpu::GpuElement;
 use crate::progress::Progress;
 use crate::run::zeroed;
-use crate::{alloc, Device, Result};
+use crate::{alloc, CliError, Device, Result};
 
 /// Fewest timed runs behind a median.
 const MIN_RUNS: usize = 5;
@@ -36,7 +42,7 @@ const MEMORY_SEQLENS: [usize; 7] = [1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14,
 /// Arguments of `flash-attn bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Backend to time.
+    /// Backend to time (`cuda`: forward only, f16 or bf16).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
 
@@ -45,7 +51,7 @@ pub struct BenchArgs {
     dtype: DType,
 
     /// One problem `batch, query heads, kv heads, query length, key length, head dim`; without
-    /// it, the default grid.
+    /// it, the default grid (on cuda BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048).
     #[arg(long, value_name = "B,HQ,HK,SQ,SK,D", value_parser = parse_shape)]
     shape: Option<Shape>,
 
@@ -128,6 +134,21 @@ fn default_grid() -> Vec<Problem> {
     grid
 }
 
+/// The BENCH.md `gpu` grid (FlashAttention's convention): b·s = 16k tokens, hq·d = 2048,
+/// s ∈ {512 … 16k}, d ∈ {64, 128}; each non-causal and causal.
+fn gpu_grid() -> Vec<Problem> {
+    let mut grid = Vec::new();
+    for d in [64, 128] {
+        for s in [512, 1024, 2048, 4096, 8192, 16384] {
+            for causal in [false, true] {
+                let (b, h) = (16384 / s, 2048 / d);
+                grid.push(Problem { shape: Shape { b, hq: h, hk: h, sq: s, sk: s, d }, causal });
+            }
+        }
+    }
+    grid
+}
+
 impl Shape {
     /// Shapes of `q`, `k`, `v` (DESIGN §2, fixed length).
     fn qkv(&self) -> [[usize; 4]; 3] {
@@ -145,8 +166,8 @@ struct Measurement {
     runs: usize,
     /// FLOP/s at the median, FlashAttention's count.
     gflops: f64,
-    /// Peak heap bytes of one forward call beyond what was live before it.
-    peak_extra: usize,
+    /// Peak heap bytes of one forward call beyond what was live before it (`None` on cuda).
+    peak_extra: Option<usize>,
     /// One forward plus one backward, with `--backward`.
     fwdbwd: Option<FwdBwd>,
 }
@@ -170,31 +191,46 @@ const FWDBWD_FLOPS_FACTOR: f64 = 3.5;
 
 /// Runs `flash-attn bench`.
 pub fn main(args: &BenchArgs) -> Result<ExitCode> {
-    args.device.ensure_available()?;
-    warm_up()?;
+    let cuda = args.device == Device::Cuda;
+    if cuda && args.backward {
+        return Err(CliError::new(
+            "`--backward` is not implemented on cuda yet (the CUDA backend runs the forward pass only); \
+             time it with `--device cpu`",
+        ));
+    }
+    if cuda && args.memory {
+        return Err(CliError::new("the memory table (`--memory`) runs on cpu only"));
+    }
+    let gpu_name = args.device.ensure_available()?;
+    if !cuda {
+        warm_up()?;
+    }
     if args.memory {
         return memory_table(args.naive_max);
     }
 
     let problems = match args.shape {
         Some(shape) => vec![Problem { shape, causal: args.causal }],
+        None if cuda => gpu_grid(),
         None => default_grid(),
     };
     let progress = Progress::bar(problems.len() as u64, "bench");
     let mut rows = Vec::new();
     for p in &problems {
         progress.set_message(p.label());
-        let m = measure(args.dtype, p, &progress, MIN_RUNS, args.backward)?;
+        let m = if cuda {
+            measure_cuda(args.dtype, p)?
+        } else {
+            measure(args.dtype, p, &progress, MIN_RUNS, args.backward)?
+        };
         if args.json {
             progress.suspend(|| println!("{}", json_line(args.device, args.dtype, p, &m)));
         }
-        let mut row = vec![
-            p.label(),
-            if p.causal { "yes" } else { "no" }.to_owned(),
-            fmt_ms(m.fwd_ms),
-            format!("{:.1}", m.gflops),
-            fmt_bytes(m.peak_extra),
-        ];
+        let mut row = vec![p.label(), if p.causal { "yes" } else { "no" }.to_owned(), fmt_ms(m.fwd_ms)];
+        match m.peak_extra {
+            Some(peak) => row.extend([format!("{:.1}", m.gflops), fmt_bytes(peak)]),
+            None => row.extend([format!("{:.1}", m.gflops / 1e3), m.runs.to_string()]),
+        }
         if let Some(fb) = m.fwdbwd {
             row.extend([fmt_ms(fb.ms), format!("{:.1}", fb.gflops), fmt_bytes(fb.bwd_peak_extra)]);
         }
@@ -202,7 +238,13 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
         progress.inc();
     }
     drop(progress);
-    if !args.json {
+    if let (false, Some(name)) = (args.json, &gpu_name) {
+        println!(
+            "forward, cuda {} on {name}; time = median of >= {MIN_RUNS} CUDA-event-timed runs after a warm-up",
+            args.dtype
+        );
+        print_table(&["b×hq×s×d", "causal", "time ms", "TFLOP/s", "runs"], &rows);
+    } else if !args.json {
         println!(
             "{}, {} {}, {} threads available; time = median of >= {MIN_RUNS} runs after a warm-up",
             if args.backward { "forward and forward+backward" } else { "forward" },
@@ -362,7 +404,32 @@ fn measure_typed<T: Element>(p: &Problem, progress: &Progress, min_runs: usize, 
     } else {
         None
     };
-    Ok(Measurement { fwd_ms, runs, gflops: flops / (fwd_ms * 1e6), peak_extra, fwdbwd })
+    Ok(Measurement { fwd_ms, runs, gflops: flops / (fwd_ms * 1e6), peak_extra: Some(peak_extra), fwdbwd })
+}
+
+/// The forward of one problem on the GPU (forward only; see [`crate::gpu`]).
+fn measure_cuda(dtype: DType, p: &Problem) -> Result<Measurement> {
+    match dtype {
+        DType::F32 => measure_cuda_typed::<f32>(p),
+        DType::F16 => measure_cuda_typed::<f16>(p),
+        DType::BF16 => measure_cuda_typed::<bf16>(p),
+    }
+}
+
+fn measure_cuda_typed<T: GpuElement>(p: &Problem) -> Result<Measurement> {
+    let spec = if p.causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    let shapes = p.shape.qkv().map(|s| s.to_vec());
+    let timing = T::time_forward(&spec, &shapes, MIN_RUNS)?;
+    let Shape { b, hq, sq, sk, d, .. } = p.shape;
+    // FlashAttention's count (as `Geometry::flops` for fixed-length problems).
+    let flops = 4.0 * b as f64 * hq as f64 * sq as f64 * sk as f64 * d as f64 / if p.causal { 2.0 } else { 1.0 };
+    Ok(Measurement {
+        fwd_ms: timing.ms,
+        runs: timing.runs,
+        gflops: flops / (timing.ms * 1e6),
+        peak_extra: None,
+        fwdbwd: None,
+    })
 }
 
 /// Algorithm 0 (`flash_attn::reference::naive`, f32): time of one call and its peak extra bytes
@@ -400,7 +467,7 @@ fn memory_table(naive_max: usize) -> Result<ExitCode> {
         };
         rows.push(vec![
             fmt_count(n),
-            fmt_bytes(ours.peak_extra),
+            ours.peak_extra.map_or_else(|| "-".to_owned(), fmt_bytes),
             fmt_time(ours.fwd_ms),
             naive_mem,
             naive_time,
@@ -466,7 +533,7 @@ fn json_line(device: Device, dtype: DType, p: &Problem, m: &Measurement) -> Stri
         p.causal,
         json_number(m.fwd_ms),
         json_number(m.gflops),
-        m.peak_extra,
+        m.peak_extra.map_or_else(|| "null".to_owned(), |b| b.to_string()),
         m.runs
     )
 }
@@ -590,7 +657,7 @@ mod tests {
     #[test]
     fn json_line_has_the_contract_keys() {
         let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: true };
-        let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: f64::INFINITY, peak_extra: 42, fwdbwd: None };
+        let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: f64::INFINITY, peak_extra: Some(42), fwdbwd: None };
         let line = json_line(Device::Cpu, DType::BF16, &p, &m);
         for key in
             ["device", "dtype", "b", "hq", "hk", "sq", "sk", "d", "causal", "fwd_ms", "gflops", "peak_extra_bytes"]
@@ -602,10 +669,29 @@ mod tests {
     }
 
     #[test]
+    fn cuda_json_line_has_the_contract_keys_and_a_null_peak() {
+        let p = Problem { shape: Shape { b: 32, hq: 16, hk: 16, sq: 512, sk: 512, d: 128 }, causal: false };
+        let m = Measurement { fwd_ms: 0.25, runs: 200, gflops: 2.5e5, peak_extra: None, fwdbwd: None };
+        let line = json_line(Device::Cuda, DType::BF16, &p, &m);
+        assert!(line.starts_with("{\"device\":\"cuda\",\"dtype\":\"bf16\","), "{line}");
+        assert!(line.contains("\"fwd_ms\":0.250000,") && line.contains("\"peak_extra_bytes\":null,"), "{line}");
+    }
+
+    #[test]
+    fn gpu_grid_is_16k_tokens_and_2048_wide() {
+        let grid = gpu_grid();
+        assert_eq!(grid.len(), 24);
+        for p in grid {
+            let s = p.shape;
+            assert_eq!((s.b * s.sq, s.hq * s.d, s.hq, s.sq), (16384, 2048, s.hk, s.sk));
+        }
+    }
+
+    #[test]
     fn json_line_with_backward_adds_fwdbwd_and_stays_one_object() {
         let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: false };
         let fwdbwd = Some(FwdBwd { ms: 4.25, runs: 5, gflops: 12.5, bwd_peak_extra: 4096 });
-        let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: 3.0, peak_extra: 42, fwdbwd };
+        let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: 3.0, peak_extra: Some(42), fwdbwd };
         let line = json_line(Device::Cpu, DType::F32, &p, &m);
         assert!(line.contains("\"fwd_ms\":1.500000,"), "{line}");
         assert!(line.contains("\"fwdbwd_ms\":4.250000,"), "{line}");

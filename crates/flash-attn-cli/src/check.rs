@@ -1,16 +1,20 @@
 //! `flash-attn check`: random cases through a backend, compared with the f64 oracle under the
 //! numerics contract (DESIGN §2), via `flash_attn::check`: the forward pass and, unless
 //! `--forward-only`, the backward pass, about a third of the cases with dropout.
+//!
+//! On `--device cuda` the cases are restricted to what the CUDA backend supports (its forward pass
+//! only: f16/bf16, `d == dv` in {64, 128}, no softcap, ALiBi or block mask, strides in multiples
+//! of 8 elements) and run on GPU 0; the oracle runs on the host.
 
 use std::fmt;
 use std::process::ExitCode;
 
 use clap::Args;
-use flash_attn::check::{Case, Rng};
-use flash_attn::Dropout;
+use flash_attn::check::{Case, Rng, Storage};
+use flash_attn::{DType, Dropout};
 
 use crate::progress::Progress;
-use crate::{Device, Result};
+use crate::{gpu, Device, Result};
 
 /// Arguments of `flash-attn check`.
 #[derive(Debug, Args)]
@@ -23,11 +27,11 @@ pub struct CheckArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
 
-    /// Backend to check.
+    /// Backend to check. `cuda` checks its forward pass on the cases it supports.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
 
-    /// Check the forward pass only (no backward, no dropout).
+    /// Check the forward pass only (no backward, no dropout); implied by `--device cuda`.
     #[arg(long)]
     forward_only: bool,
 }
@@ -44,20 +48,29 @@ const DROPOUT_STREAM: u64 = 0x0D60_9047_D60F_F5E7;
 /// case passes only if its forward and (unless `--forward-only`) its backward pass both meet the
 /// contract; exit code 1 if any case failed.
 pub fn main(args: &CheckArgs) -> Result<ExitCode> {
-    args.device.ensure_available()?;
+    let gpu_name = args.device.ensure_available()?;
+    let cuda = args.device == Device::Cuda;
+    if let Some(name) = gpu_name {
+        println!(
+            "cuda: {name}; forward pass only, cases restricted to what the CUDA backend supports \
+             (f16/bf16, d = dv in {{64, 128}}, no softcap, ALiBi or block mask)"
+        );
+    }
+    let forward_only = args.forward_only || cuda;
     let mut rng = Rng::new(args.seed);
     let progress = Progress::bar(args.cases as u64, "check");
     let (mut passed, mut failed) = (0usize, 0usize);
     for n in 0..args.cases {
-        let case = Case::random(&mut rng);
-        let dropout = if args.forward_only { None } else { random_dropout(&case) };
+        let case = if cuda { random_cuda_case(&mut rng) } else { Case::random(&mut rng) };
+        let dropout = if forward_only { None } else { random_dropout(&case) };
         let mut failures = Vec::new();
-        match case.run_cpu() {
+        let forward = if cuda { gpu::run_case(&case) } else { case.run_cpu().map_err(Into::into) };
+        match forward {
             Ok(report) if report.passed() => {}
             Ok(report) => failures.push(format!("forward: {report}")),
             Err(e) => failures.push(format!("forward: error: {e}")),
         }
-        if !args.forward_only {
+        if !forward_only {
             match case.run_cpu_backward(dropout) {
                 Ok(report) if report.passed() => {}
                 Ok(report) => failures.push(format!("backward: {report}")),
@@ -92,6 +105,33 @@ fn random_dropout(case: &Case) -> Option<Dropout> {
     Some(Dropout { p, seed, offset })
 }
 
+/// A random case inside what the CUDA forward supports: f16 or bf16, `d == dv` in {64, 128}, no
+/// softcap, ALiBi or block mask, row strides in multiples of 8 elements; about a third of the cases
+/// get sequences up to 400 long (several query and key tiles, ragged tails). The other options
+/// (GQA, varlen with empty sequences, both causal alignments, windows, scale, strided layouts)
+/// are drawn as for the CPU.
+fn random_cuda_case(rng: &mut Rng) -> Case {
+    let mut c = Case::random(rng);
+    c.dtype = rng.pick(&[DType::BF16, DType::F16]);
+    c.d = rng.pick(&[64, 128]);
+    c.dv = c.d;
+    (c.softcap, c.alibi, c.block) = (None, None, None);
+    if rng.chance(0.3) {
+        for s in c.seqlens.iter_mut() {
+            *s = (rng.range(1, 400), rng.range(1, 400));
+        }
+        if !c.varlen {
+            if let Some(&first) = c.seqlens.first() {
+                c.seqlens.iter_mut().for_each(|s| *s = first);
+            }
+        }
+    }
+    if let Storage::Strided { .. } = c.storage {
+        c.storage = Storage::Strided { pad: rng.pick(&[0, 8]) };
+    }
+    c
+}
+
 /// ` dropout(p=…, seed=…, offset=…)` after a case's description, or nothing.
 struct DropoutLabel(Option<Dropout>);
 
@@ -115,6 +155,23 @@ mod tests {
         let on = drawn.iter().flatten().count();
         assert!((150..250).contains(&on), "{on} of 600");
         assert!(drawn.iter().flatten().all(|d| DROPOUT_PS.contains(&d.p)));
+    }
+
+    #[test]
+    fn cuda_cases_stay_inside_what_the_cuda_forward_supports() {
+        let mut rng = Rng::new(3);
+        for _ in 0..500 {
+            let c = random_cuda_case(&mut rng);
+            assert!(matches!(c.dtype, DType::BF16 | DType::F16), "{c}");
+            assert!((c.d == 64 || c.d == 128) && c.dv == c.d, "{c}");
+            assert!(c.softcap.is_none() && c.alibi.is_none() && c.block.is_none(), "{c}");
+            if let Storage::Strided { pad } = c.storage {
+                assert_eq!(pad % 8, 0, "{c}");
+            }
+            if !c.varlen {
+                assert!(c.seqlens.windows(2).all(|w| w[0] == w[1]), "{c}");
+            }
+        }
     }
 
     #[test]

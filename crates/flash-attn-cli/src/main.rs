@@ -10,7 +10,9 @@
 mod alloc;
 mod bench;
 mod check;
+mod gpu;
 mod io;
+mod kernels;
 mod progress;
 mod run;
 mod safetensors_io;
@@ -44,6 +46,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Print the HBM-access model: Algorithm 0 vs FlashAttention for N, d and SRAM size M.
     Io(io::IoArgs),
+    /// The CUDA kernels (cuda builds): `--compile-all` compiles every variant with NVRTC and
+    /// reports registers and spills.
+    Kernels(kernels::KernelsArgs),
 }
 
 /// Where attention runs.
@@ -64,11 +69,12 @@ impl Device {
         }
     }
 
-    /// Succeeds for the backends this build provides.
-    pub fn ensure_available(self) -> Result<()> {
+    /// Succeeds for the backends this build provides and this machine can run: for `cuda`, opens
+    /// GPU 0 (driver, NVRTC, compute capability 8.0+) and returns its name.
+    pub fn ensure_available(self) -> Result<Option<String>> {
         match self {
-            Device::Cpu => Ok(()),
-            Device::Cuda => Err(CliError::new("the cuda backend is not available in this build (feature `cuda`)")),
+            Device::Cpu => Ok(None),
+            Device::Cuda => gpu::open().map(Some),
         }
     }
 }
@@ -109,12 +115,13 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
-    let result = match cli.command {
+    let result = guarded(move || match cli.command {
         Command::Run(args) => run::main(&args),
         Command::Check(args) => check::main(&args),
         Command::Bench(args) => bench::main(&args),
         Command::Io(args) => io::main(&args),
-    };
+        Command::Kernels(args) => kernels::main(&args),
+    });
     match result {
         Ok(code) => code,
         Err(e) => {
@@ -122,6 +129,38 @@ fn main() -> ExitCode {
             ExitCode::from(EXIT_ERROR)
         }
     }
+}
+
+/// Runs a subcommand. In cuda builds a panic below it (a dynamically loaded CUDA library that lacks
+/// a symbol panics inside `cudarc`) becomes the one-line error of the contract rather than a
+/// backtrace; default builds have no such path and keep Rust's own panic report.
+#[cfg(feature = "cuda")]
+fn guarded(f: impl FnOnce() -> Result<ExitCode>) -> Result<ExitCode> {
+    use std::sync::{Arc, Mutex};
+    let message = Arc::new(Mutex::new(String::new()));
+    let slot = Arc::clone(&message);
+    std::panic::set_hook(Box::new(move |info| {
+        let what = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_owned());
+        let at = info.location().map(|l| format!(" (at {}:{})", l.file(), l.line())).unwrap_or_default();
+        if let Ok(mut m) = slot.lock() {
+            *m = format!("{what}{at}");
+        }
+    }));
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        let m = message.lock().map(|m| m.clone()).unwrap_or_default();
+        Err(CliError::new(format!("internal error: {m}")))
+    })
+}
+
+/// Runs a subcommand (default builds: nothing to guard).
+#[cfg(not(feature = "cuda"))]
+fn guarded(f: impl FnOnce() -> Result<ExitCode>) -> Result<ExitCode> {
+    f()
 }
 
 /// `--help` and `--version` print as usual; an argument error becomes the one-line contract

@@ -5,10 +5,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use flash_attn::{AttentionSpec, DType, Dropout, Element, Tensor, TensorMut};
+use flash_attn::{AttentionSpec, DType, Dropout, Tensor, TensorMut};
 use half::{bf16, f16};
 use safetensors::Dtype;
 
+use crate::gpu::GpuElement;
 use crate::progress::Progress;
 use crate::safetensors_io::{self, Input, LeScalar, OwnedTensor};
 use crate::{CliError, Device, Result};
@@ -88,6 +89,12 @@ where
 
 /// Runs `flash-attn run`.
 pub fn main(args: &RunArgs) -> Result<ExitCode> {
+    if args.device == Device::Cuda && args.backward {
+        return Err(CliError::new(
+            "`--backward` is not implemented on cuda yet (the CUDA backend runs the forward pass only); \
+             use `--device cpu`",
+        ));
+    }
     args.device.ensure_available()?;
     let dropout = dropout_setting(args)?;
     let _spinner = Progress::spinner(if args.backward { "attention forward + backward" } else { "attention" });
@@ -273,7 +280,7 @@ fn read_dout<T: LeScalar>(args: &RunArgs, input: &Input<'_>) -> Result<Owned<T>>
 
 /// Forward (with dropout if asked) and, with `--backward`, the backward pass by recomputation,
 /// into buffers allocated here so that running out of memory is an error, not an abort.
-fn attend_typed<T: Element + LeScalar>(
+fn attend_typed<T: GpuElement + LeScalar>(
     args: &RunArgs,
     dropout: Option<Dropout>,
     input: &Input<'_>,
@@ -301,9 +308,19 @@ fn attend_typed<T: Element + LeScalar>(
             )));
         }
     }
-    let mut out = zeroed::<T>("out", &out_shape)?;
-    let mut lse = zeroed::<f32>("lse", &lse_shape)?;
-    flash_attn::forward_into(&spec, &q, &k, &v, &mut TensorMut::new(&mut out, &out_shape), &mut lse)?;
+    let (out, lse) = match args.device {
+        Device::Cpu => {
+            let mut out = zeroed::<T>("out", &out_shape)?;
+            let mut lse = zeroed::<f32>("lse", &lse_shape)?;
+            flash_attn::forward_into(&spec, &q, &k, &v, &mut TensorMut::new(&mut out, &out_shape), &mut lse)?;
+            (out, lse)
+        }
+        // Options the CUDA kernels do not support yet come back as the library's `Unsupported`.
+        Device::Cuda => {
+            let res = T::forward(&spec, &q, &k, &v)?;
+            (res.out, res.lse)
+        }
+    };
     let mut outputs =
         vec![("out", OwnedTensor::encode(&out, &out_shape)), ("lse", OwnedTensor::encode(&lse, &lse_shape))];
 

@@ -736,6 +736,7 @@ fn alibi_slopes_of_the_wrong_dtype_are_rejected() {
     assert_rejected(Content::Tensors(with("alibi_slopes", raw(&[1i32; 4], &[4]))), &[]);
 }
 
+#[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_device_is_rejected_in_a_cpu_build() {
     let line = assert_rejected(Content::Tensors(valid()), &["--device", "cuda"]);
@@ -894,6 +895,7 @@ fn bench_backward_table_has_forward_and_backward_columns() {
     }
 }
 
+#[cfg(not(feature = "cuda"))]
 #[test]
 fn bench_rejects_cuda_in_a_cpu_build() {
     let res = flash_attn(&["bench", "--device", "cuda"]);
@@ -913,4 +915,102 @@ fn bench_rejects_an_invalid_shape() {
     let res = flash_attn(&["bench", "--shape", "1,3,2,16,16,16", "--json"]);
     assert_eq!(res.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&res.stderr).contains("multiple"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CUDA backend: `--device cuda` and `kernels` (cargo feature `cuda`)
+// ---------------------------------------------------------------------------------------------
+
+/// Checks the error contract of a command that must fail: exit code 2, one `error: ` line on
+/// stderr, no panic; returns the line.
+fn assert_one_line_error(args: &[&str]) -> String {
+    assert_error_output(args, &flash_attn(args))
+}
+
+fn assert_error_output(args: &[&str], res: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&res.stderr).into_owned();
+    assert_eq!(res.status.code(), Some(2), "args {args:?}, stderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "exactly one stderr line for {args:?}, got {stderr:?}");
+    assert!(lines[0].starts_with("error: ") && !stderr.contains("panicked"), "{stderr}");
+    lines[0].to_owned()
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_check_and_kernels_are_rejected_in_a_cpu_build() {
+    for args in [
+        &["check", "--device", "cuda", "--cases", "1"][..],
+        &["kernels", "--compile-all"],
+        &["kernels", "--compile-all", "--arch", "sm_80,sm_90a"],
+        &["kernels"],
+    ] {
+        let line = assert_one_line_error(args);
+        assert!(line.contains("not available in this build") && line.contains("`cuda`"), "{args:?}: {line}");
+    }
+}
+
+/// In a cuda build, on any machine: f32 inputs are rejected (no GPU: CUDA is unavailable; a GPU:
+/// the CUDA forward takes f16/bf16 only), one line, exit 2, output untouched.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_run_of_f32_inputs_is_a_one_line_error_with_or_without_a_gpu() {
+    let line = assert_rejected(Content::Tensors(valid()), &["--device", "cuda"]);
+    assert!(line.contains("CUDA") || line.contains("f32"), "{line}");
+}
+
+/// In a cuda build: without a GPU (or driver, or NVRTC) every `--device cuda` command is one line
+/// and exit 2, never a panic; with one, `check` and `bench` run.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_device_without_a_gpu_is_a_one_line_error() {
+    for args in [
+        &["check", "--device", "cuda", "--cases", "2"][..],
+        &["bench", "--device", "cuda", "--dtype", "bf16", "--shape", "1,2,2,64,64,64", "--json"],
+    ] {
+        let res = flash_attn(args);
+        if res.status.success() {
+            continue; // a GPU is present
+        }
+        let line = assert_error_output(args, &res);
+        assert!(line.contains("CUDA") || line.contains("NVRTC"), "{args:?}: {line}");
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_backward_is_not_implemented_yet() {
+    let bf: Vec<(&str, Raw)> = Inputs::<bf16>::fixed(4, 1, (5, 7), (4, 2), (64, 64)).tensors();
+    let line = assert_rejected(Content::Tensors(bf), &["--device", "cuda", "--backward"]);
+    assert!(line.contains("not implemented on cuda yet"), "{line}");
+    let args = ["bench", "--device", "cuda", "--dtype", "bf16", "--shape", "1,2,2,64,64,64", "--backward", "--json"];
+    let line = assert_one_line_error(&args);
+    assert!(line.contains("not implemented on cuda yet"), "{line}");
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn kernels_rejects_a_malformed_architecture_and_a_missing_action() {
+    let line = assert_one_line_error(&["kernels", "--compile-all", "--arch", "sm_80,sm9"]);
+    assert!(line.contains("sm9"), "{line}");
+    let line = assert_one_line_error(&["kernels"]);
+    assert!(line.contains("--compile-all"), "{line}");
+}
+
+/// Without NVRTC on the library path, `kernels --compile-all` is one line and exit 2; where NVRTC
+/// is installed system-wide it compiles, one line per variant (exit 1 if any variant spills).
+#[cfg(feature = "cuda")]
+#[test]
+fn kernels_compile_all_reports_every_variant_or_a_missing_nvrtc() {
+    let args = ["kernels", "--compile-all", "--arch", "sm_80"];
+    let res = Command::new(BIN).args(args).env_remove("LD_LIBRARY_PATH").output().expect("run flash-attn");
+    if res.status.code() == Some(2) {
+        let line = assert_error_output(&args, &res);
+        assert!(line.contains("NVRTC"), "{line}");
+        return;
+    }
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    let variants = stdout.lines().filter(|l| l.starts_with("flash_fwd_") && l.contains(" sm_80 ")).count();
+    assert!(variants > 0 && stdout.contains(" variants: "), "{stdout}");
+    assert!(matches!(res.status.code(), Some(0 | 1)), "{stdout}");
 }

@@ -236,6 +236,15 @@ pub fn max_abs(xs: &[f64]) -> f64 {
 /// magnitude of the three gradients of the call: they are computed from shared intermediates
 /// (`dP`, `D`), whose rounding lands on all of them.
 pub fn compare_with_magnitude(ours: &[f64], oracle: &[f64], naive: &[f64], dtype: DType, magnitude: f64) -> Comparison {
+    compare_with_floor(ours, oracle, naive, dtype.contract_eps(), magnitude)
+}
+
+/// The contract for gradients: [`compare_with_magnitude`] with [`DType::contract_eps_grad`].
+pub fn compare_gradient(ours: &[f64], oracle: &[f64], naive: &[f64], dtype: DType, magnitude: f64) -> Comparison {
+    compare_with_floor(ours, oracle, naive, dtype.contract_eps_grad(), magnitude)
+}
+
+fn compare_with_floor(ours: &[f64], oracle: &[f64], naive: &[f64], eps: f64, magnitude: f64) -> Comparison {
     let (mut max_err, mut naive_err, mut max_ref, mut mismatches) = (0.0f64, 0.0f64, 0.0f64, 0usize);
     if ours.len() != oracle.len() {
         mismatches += ours.len().abs_diff(oracle.len());
@@ -256,7 +265,7 @@ pub fn compare_with_magnitude(ours: &[f64], oracle: &[f64], naive: &[f64], dtype
         }
         max_ref = max_ref.max(r.abs());
     }
-    let bound = 2.0 * naive_err + dtype.contract_eps() * max_ref.max(magnitude).max(1.0);
+    let bound = 2.0 * naive_err + eps * max_ref.max(magnitude).max(1.0);
     Comparison { max_err, naive_err, bound, max_ref, nonfinite_mismatches: mismatches }
 }
 
@@ -530,9 +539,9 @@ impl Case {
         let widen = |x: &[T]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
         let m = max_abs(&oracle.dq).max(max_abs(&oracle.dk)).max(max_abs(&oracle.dv));
         Ok(BackwardReport {
-            dq: compare_with_magnitude(&widen(&grads.dq), &oracle.dq, &naive.dq, self.dtype, m),
-            dk: compare_with_magnitude(&widen(&grads.dk), &oracle.dk, &naive.dk, self.dtype, m),
-            dv: compare_with_magnitude(&widen(&grads.dv), &oracle.dv, &naive.dv, self.dtype, m),
+            dq: compare_gradient(&widen(&grads.dq), &oracle.dq, &naive.dq, self.dtype, m),
+            dk: compare_gradient(&widen(&grads.dk), &oracle.dk, &naive.dk, self.dtype, m),
+            dv: compare_gradient(&widen(&grads.dv), &oracle.dv, &naive.dv, self.dtype, m),
         })
     }
 }

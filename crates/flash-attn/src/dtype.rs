@@ -54,6 +54,19 @@ impl DType {
     }
 }
 
+impl DType {
+    /// `eps_T` for gradients: as [`contract_eps`](Self::contract_eps), but `2^-16` for `f32`.
+    /// The backward pass recomputes `P` from the f32 LSE, whose rounding (`ulp(|lse|)`) becomes a
+    /// relative error of `P`; with large scores (a large scale, ALiBi) that is several ulps above
+    /// what a naive f32 implementation, which subtracts an exact row maximum, sees.
+    pub fn contract_eps_grad(self) -> f64 {
+        match self {
+            DType::F32 => 1.0 / (1u32 << 16) as f64,
+            other => other.contract_eps(),
+        }
+    }
+}
+
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

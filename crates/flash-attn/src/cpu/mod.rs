@@ -13,6 +13,8 @@ mod softmax;
 mod tile;
 mod vexp;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use rayon::prelude::*;
 
 use crate::dtype::Element;
@@ -63,6 +65,26 @@ impl<T> Sink<T> {
         // SAFETY: in bounds and unaliased by the caller's contract.
         unsafe { self.ptr.add(idx).write(value) }
     }
+}
+
+/// Runs `work` on every item, in order of first availability, on one task per thread of the
+/// current rayon pool; each task builds its scratch once with `init` and reuses it for every item
+/// it takes (items are claimed from a shared counter, so long items listed first finish early).
+fn for_each_dynamic<I: Sync, S>(items: &[I], init: impl Fn() -> S + Sync, work: impl Fn(&mut S, &I) + Sync) {
+    let next = AtomicUsize::new(0);
+    let tasks = rayon::current_num_threads().min(items.len());
+    rayon::scope(|scope| {
+        for _ in 0..tasks {
+            scope.spawn(|_| {
+                let mut scratch = init();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    work(&mut scratch, item);
+                }
+            });
+        }
+    });
 }
 
 /// One unit of work: query tile `tile` of head `head` of sequence `seq`.
@@ -136,9 +158,11 @@ pub fn forward_into_tiled<T: Element>(
         tiles,
         v_finite: all_finite(g, v),
     };
-    items
-        .par_iter()
-        .for_each_init(|| forward::Scratch::new(g, tiles), |scratch, w| ctx.query_tile(scratch, w.seq, w.head, w.tile));
+    for_each_dynamic(
+        &items,
+        || forward::Scratch::new(g, tiles),
+        |scratch, w| ctx.query_tile(scratch, w.seq, w.head, w.tile),
+    );
     Ok(())
 }
 
@@ -210,7 +234,8 @@ pub fn backward_into<T: Element>(
             }
         }
     }
-    units.par_iter().for_each_init(
+    for_each_dynamic(
+        &units,
         || backward::Scratch::new(g, tiles),
         |sc, &(s, kv_head, chunk)| ctx.kv_unit(sc, s, kv_head, chunk),
     );

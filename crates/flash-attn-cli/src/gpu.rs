@@ -1,0 +1,291 @@
+//! The CLI's side of the CUDA backend (cargo feature `cuda`): opening the GPU, the forward pass of
+//! `run` and `check`, the event-timed forward of `bench`, and compiling every kernel variant for
+//! `kernels --compile-all`.
+//!
+//! Without the feature every entry point returns [`not_built`], so the subcommands need no `cfg` of
+//! their own. Everything about attention stays in the library (`flash_attn::cuda`); this module only
+//! moves buffers and reads the clock.
+
+use flash_attn::check::{Case, CaseReport};
+use flash_attn::{AttentionSpec, Element, Output, Tensor};
+
+use crate::{CliError, Result};
+
+/// The error of `--device cuda` and `kernels` in a build without the feature.
+pub fn not_built() -> CliError {
+    CliError::new("the cuda backend is not available in this build (feature `cuda`)")
+}
+
+/// The median of event-timed forward calls on the GPU.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Median time of one forward call, in ms.
+    pub ms: f64,
+    /// Timed runs behind the median.
+    pub runs: usize,
+}
+
+/// What compiling one kernel variant for one architecture gave.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    /// The variant's name, e.g. `flash_fwd_bf16_d128_m2_n64_w4`.
+    pub name: String,
+    /// The target, e.g. `sm_90a`.
+    pub arch: String,
+    /// Registers per thread, if ptxas reported them.
+    pub registers: Option<u32>,
+    /// Bytes spilled to local memory, if ptxas reported them.
+    pub spill_bytes: Option<u32>,
+    /// `None` when it compiled, else NVRTC's error (its log included).
+    pub error: Option<String>,
+}
+
+/// Element types the CLI hands to the CUDA backend: f16 and bf16 reach the kernels, f32 gets the
+/// library's [`flash_attn::Error::Unsupported`].
+pub trait GpuElement: Element {
+    /// The forward pass on GPU 0 for host tensors (`flash_attn::cuda::forward_host`).
+    fn forward(
+        spec: &AttentionSpec<'_>,
+        q: &Tensor<'_, Self>,
+        k: &Tensor<'_, Self>,
+        v: &Tensor<'_, Self>,
+    ) -> Result<Output<Self>>;
+
+    /// Times the forward pass of a fixed-length problem with q, k, v of `shapes` on GPU 0: inputs
+    /// and outputs on the device before timing, a warm-up, then at least `min_runs` calls each
+    /// between a pair of CUDA events.
+    fn time_forward(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing>;
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use super::*;
+
+    pub fn open() -> Result<String> {
+        Err(not_built())
+    }
+
+    pub fn run_case(_case: &Case) -> Result<CaseReport> {
+        Err(not_built())
+    }
+
+    pub fn compile_all(_archs: &[String]) -> Result<Vec<Compiled>> {
+        Err(not_built())
+    }
+
+    macro_rules! not_built_element {
+        ($($t:ty),*) => {$(
+            impl GpuElement for $t {
+                fn forward(_: &AttentionSpec<'_>, _: &Tensor<'_, Self>, _: &Tensor<'_, Self>, _: &Tensor<'_, Self>)
+                    -> Result<Output<Self>> {
+                    Err(not_built())
+                }
+
+                fn time_forward(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
+                    Err(not_built())
+                }
+            }
+        )*};
+    }
+    not_built_element!(f32, half::f16, half::bf16);
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use cudarc::driver::sys::{CUevent_flags, CUresult};
+    use cudarc::driver::DriverError;
+    use flash_attn::check::{report, Rng};
+    use flash_attn::cuda::{self, Arch, CudaElement, DeviceTensor, DeviceTensorMut};
+    use flash_attn::{reference, DType};
+    use half::{bf16, f16};
+
+    use super::*;
+    use crate::run::zeroed;
+
+    /// Keep timing until about this much GPU time has been spent (or [`MAX_RUNS`] reached).
+    const BUDGET_MS: f64 = 200.0;
+    /// Most timed runs per problem.
+    const MAX_RUNS: usize = 200;
+    /// Untimed calls before timing (the first loads the kernel, compiling it if not cached).
+    const WARM_UP: usize = 3;
+    /// Distinct random values behind each input tensor (a prime, so rows and heads differ).
+    const POOL: usize = 65_537;
+
+    /// A driver error as one line; out-of-memory says so.
+    fn driver(what: &'static str) -> impl Fn(DriverError) -> CliError {
+        move |e| {
+            if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                CliError::new(format!("out of device memory: {what}"))
+            } else {
+                CliError::new(format!("CUDA {what} failed: {e:?}"))
+            }
+        }
+    }
+
+    /// Opens GPU 0 (once per process) and names it: `NVIDIA H100 80GB HBM3 (sm_90a)`.
+    pub fn open() -> Result<String> {
+        let dev = cuda::default_device()?;
+        let name = dev.context().name().unwrap_or_else(|_| "GPU 0".to_owned());
+        Ok(format!("{name} ({})", dev.arch().0))
+    }
+
+    /// One random case on the GPU, compared with the f64 oracle under the numerics contract.
+    pub fn run_case(case: &Case) -> Result<CaseReport> {
+        match case.dtype {
+            DType::BF16 => run_case_typed::<bf16>(case),
+            DType::F16 => run_case_typed::<f16>(case),
+            DType::F32 => Err(f32_unsupported()),
+        }
+    }
+
+    fn run_case_typed<T: CudaElement>(case: &Case) -> Result<CaseReport> {
+        let data = case.data::<T>();
+        let spec = case.spec(&data);
+        let [q, k, v] = data.views();
+        let ours = cuda::forward_host(&spec, &q, &k, &v)?;
+        let oracle = reference::forward(&spec, &q, &k, &v)?;
+        let naive = reference::naive(&spec, &q, &k, &v)?;
+        Ok(report(&ours.out, &ours.lse, &oracle, &naive, case.dtype))
+    }
+
+    /// Compiles every kernel variant for each of `archs` with NVRTC (no GPU needed).
+    pub fn compile_all(archs: &[String]) -> Result<Vec<Compiled>> {
+        let archs: Vec<Arch> = archs.iter().map(|a| Arch(a.clone())).collect();
+        Ok(cuda::compile_all(&archs)?
+            .into_iter()
+            .map(|r| Compiled {
+                error: r.result.as_ref().err().map(ToString::to_string),
+                name: r.name,
+                arch: r.arch,
+                registers: r.registers,
+                spill_bytes: r.spill_bytes,
+            })
+            .collect())
+    }
+
+    /// The library's answer to f32 on the GPU (f32 is no [`CudaElement`], so the CLI says it).
+    fn f32_unsupported() -> CliError {
+        flash_attn::Error::Unsupported("the CUDA forward does not support f32 inputs (use f16 or bf16) yet".into())
+            .into()
+    }
+
+    /// `n` values cycling through [`POOL`] standard normal ones: random data (never zeros) made
+    /// fast enough for GPU-sized tensors.
+    fn filled<T: Element>(name: &str, n: usize, rng: &mut Rng) -> Result<Vec<T>> {
+        let pool: Vec<T> = (0..POOL.min(n)).map(|_| T::from_f64(rng.normal())).collect();
+        let mut buf = zeroed::<T>(name, &[n])?;
+        for chunk in buf.chunks_mut(POOL) {
+            chunk.copy_from_slice(&pool[..chunk.len()]);
+        }
+        Ok(buf)
+    }
+
+    fn time_forward_typed<T: CudaElement>(
+        spec: &AttentionSpec<'_>,
+        shapes: &[Vec<usize>; 3],
+        min_runs: usize,
+    ) -> Result<Timing> {
+        // Shapes and options are checked on the host first, with zero-sized stand-ins.
+        let numel = |s: &[usize]| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let lens: Vec<usize> = shapes
+            .iter()
+            .map(|s| numel(s).ok_or_else(|| CliError::new(format!("shape {s:?} is too large"))))
+            .collect::<Result<_>>()?;
+        let units: Vec<Vec<()>> = lens.iter().map(|&n| vec![(); n]).collect();
+        let geometry = flash_attn::Geometry::new(
+            spec,
+            &Tensor::new(&units[0], &shapes[0]),
+            &Tensor::new(&units[1], &shapes[1]),
+            &Tensor::new(&units[2], &shapes[2]),
+        )?;
+        let out_shape = geometry.out_shape();
+        let out_len = numel(&out_shape).ok_or_else(|| CliError::new("`out` is too large"))?;
+        let lse_len = geometry.lse_len();
+
+        let dev = cuda::default_device()?;
+        let stream = dev.stream();
+        let mut rng = Rng::new(0);
+        let q = dev.upload(&filled::<T>("q", lens[0], &mut rng)?)?;
+        let k = dev.upload(&filled::<T>("k", lens[1], &mut rng)?)?;
+        let v = dev.upload(&filled::<T>("v", lens[2], &mut rng)?)?;
+        let mut out = stream.alloc_zeros::<T>(out_len.max(1)).map_err(driver("allocation of `out`"))?;
+        let mut lse = stream.alloc_zeros::<f32>(lse_len.max(1)).map_err(driver("allocation of `lse`"))?;
+        let mut call = || -> Result<()> {
+            let (qt, kt, vt) = (
+                DeviceTensor::new(q.as_view(), &shapes[0]),
+                DeviceTensor::new(k.as_view(), &shapes[1]),
+                DeviceTensor::new(v.as_view(), &shapes[2]),
+            );
+            let mut ot = DeviceTensorMut::new(out.slice_mut(0..out_len), &out_shape);
+            let mut lt = lse.slice_mut(0..lse_len);
+            dev.forward(spec, &qt, &kt, &vt, &mut ot, &mut lt)?;
+            Ok(())
+        };
+
+        let ctx = dev.context();
+        let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver("event creation"));
+        // Warm-up; the last call's time sizes the number of timed runs.
+        for _ in 0..WARM_UP {
+            call()?;
+        }
+        stream.synchronize().map_err(driver("synchronize"))?;
+        let (start, end) = (event()?, event()?);
+        start.record(stream).map_err(driver("event record"))?;
+        call()?;
+        end.record(stream).map_err(driver("event record"))?;
+        let estimate = f64::from(start.elapsed_ms(&end).map_err(driver("event timing"))?);
+        let runs = if estimate > 0.0 { (BUDGET_MS / estimate) as usize } else { MAX_RUNS };
+        let runs = runs.clamp(min_runs.max(1), MAX_RUNS.max(min_runs));
+
+        // Every event made before the first timed call; the calls queue back to back, each
+        // between its own pair, and one synchronisation at the end.
+        let pairs: Vec<_> = (0..runs).map(|_| Ok((event()?, event()?))).collect::<Result<_>>()?;
+        for (start, end) in &pairs {
+            start.record(stream).map_err(driver("event record"))?;
+            call()?;
+            end.record(stream).map_err(driver("event record"))?;
+        }
+        stream.synchronize().map_err(driver("synchronize"))?;
+        let mut times = pairs
+            .iter()
+            .map(|(s, e)| s.elapsed_ms(e).map(f64::from).map_err(driver("event timing")))
+            .collect::<Result<Vec<f64>>>()?;
+        times.sort_by(f64::total_cmp);
+        let n = times.len();
+        let ms = if n % 2 == 1 { times[n / 2] } else { 0.5 * (times[n / 2 - 1] + times[n / 2]) };
+        Ok(Timing { ms, runs: n })
+    }
+
+    macro_rules! cuda_element {
+        ($($t:ty),*) => {$(
+            impl GpuElement for $t {
+                fn forward(spec: &AttentionSpec<'_>, q: &Tensor<'_, Self>, k: &Tensor<'_, Self>, v: &Tensor<'_, Self>)
+                    -> Result<Output<Self>> {
+                    Ok(cuda::forward_host(spec, q, k, v)?)
+                }
+
+                fn time_forward(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing> {
+                    time_forward_typed::<$t>(spec, shapes, min_runs)
+                }
+            }
+        )*};
+    }
+    cuda_element!(f16, bf16);
+
+    impl GpuElement for f32 {
+        fn forward(
+            _: &AttentionSpec<'_>,
+            _: &Tensor<'_, Self>,
+            _: &Tensor<'_, Self>,
+            _: &Tensor<'_, Self>,
+        ) -> Result<Output<Self>> {
+            Err(f32_unsupported())
+        }
+
+        fn time_forward(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
+            Err(f32_unsupported())
+        }
+    }
+}
+
+pub use imp::{compile_all, open, run_case};
