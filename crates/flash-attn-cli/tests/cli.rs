@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use flash_attn::check::{compare, compare_with_magnitude, max_abs, Rng};
+use flash_attn::check::{compare, compare_gradient, max_abs, Rng};
 use flash_attn::{AttentionSpec, Causal, Element, Tensor};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors, View};
@@ -350,7 +350,7 @@ fn assert_backward_matches_oracle<T: Element + Le>(inputs: &Inputs<T>, opts: &Op
         ("dv", &inputs.v.1, &oracle.dv, &naive.dv),
     ] {
         let ours = output_tensor::<T>(&st, name, input_shape);
-        let c = compare_with_magnitude(&ours, oracle, naive, <T as Element>::DTYPE, magnitude);
+        let c = compare_gradient(&ours, oracle, naive, <T as Element>::DTYPE, magnitude);
         assert!(c.passed(), "{name}: {c} (args {args:?})");
     }
 }

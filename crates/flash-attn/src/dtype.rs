@@ -153,58 +153,37 @@ impl Element for f32 {
     }
 }
 
-impl Element for f16 {
-    const DTYPE: DType = DType::F16;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-    #[inline(always)]
-    fn from_f64(x: f64) -> Self {
-        f16::from_f64(x)
-    }
-    #[inline(always)]
-    fn is_finite(self) -> bool {
-        f16::is_finite(self)
-    }
-    #[inline]
-    fn widen_slice(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    #[inline]
-    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
-    }
+/// `f16` and `bf16`: the same conversions through `half`.
+macro_rules! impl_half_element {
+    ($t:ty, $tag:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $tag;
+            #[inline(always)]
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            #[inline(always)]
+            fn from_f32(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            #[inline(always)]
+            fn from_f64(x: f64) -> Self {
+                <$t>::from_f64(x)
+            }
+            #[inline(always)]
+            fn is_finite(self) -> bool {
+                <$t>::is_finite(self)
+            }
+            #[inline]
+            fn widen_slice(src: &[Self], dst: &mut [f32]) {
+                src.convert_to_f32_slice(dst);
+            }
+            #[inline]
+            fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+                dst.convert_from_f32_slice(src);
+            }
+        }
+    };
 }
-
-impl Element for bf16 {
-    const DTYPE: DType = DType::BF16;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-    #[inline(always)]
-    fn from_f64(x: f64) -> Self {
-        bf16::from_f64(x)
-    }
-    #[inline(always)]
-    fn is_finite(self) -> bool {
-        bf16::is_finite(self)
-    }
-    #[inline]
-    fn widen_slice(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    #[inline]
-    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
+impl_half_element!(f16, DType::F16);
+impl_half_element!(bf16, DType::BF16);

@@ -531,10 +531,7 @@ impl<'a> Geometry<'a> {
     ) -> Result<RowLayout> {
         let (rank, layout) = self.rank_layout(per_query);
         t.check(name, layout, rank)?;
-        if t.shape() != want {
-            return Err(shape_err(format!("`{name}` has shape {:?}, expected {want:?}", t.shape())));
-        }
-        Ok(RowLayout::from_strides(t.strides(), self.varlen))
+        self.layout_of(name, t.shape(), t.strides(), want)
     }
 
     /// Checks an output view (`out`, `dq`, `dk`, `dv`) against `want` and returns its layout.
@@ -547,10 +544,15 @@ impl<'a> Geometry<'a> {
     ) -> Result<RowLayout> {
         let (rank, layout) = self.rank_layout(per_query);
         t.check(name, layout, rank)?;
-        if t.shape() != want {
-            return Err(shape_err(format!("`{name}` has shape {:?}, expected {want:?}", t.shape())));
+        self.layout_of(name, t.shape(), t.strides(), want)
+    }
+
+    /// The row layout of a checked view whose shape must be `want`.
+    fn layout_of(&self, name: &'static str, shape: &[usize], strides: &[usize], want: &[usize]) -> Result<RowLayout> {
+        if shape != want {
+            return Err(shape_err(format!("`{name}` has shape {shape:?}, expected {want:?}")));
         }
-        Ok(RowLayout::from_strides(t.strides(), self.varlen))
+        Ok(RowLayout::from_strides(strides, self.varlen))
     }
 
     /// Checks `lse` has one entry per (query head, query).
