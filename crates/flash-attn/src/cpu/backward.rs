@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use super::blocking::Tiles;
 use super::gemm::{gemm, gemm_ta};
 use super::tile::{load_rows, rows_f32, score_tile, transpose, ScoreMod};
-use super::vexp::exp2_sub_sum;
+use super::vexp::exp_sub_sum;
 use super::Sink;
 use crate::dtype::Element;
 use crate::error::{try_vec, Result};
@@ -37,7 +37,7 @@ pub(super) fn chunks(g: &Geometry<'_>, bc: usize) -> usize {
 pub(super) struct Scratch {
     q: Vec<f32>,
     dout: Vec<f32>,
-    lse2: Vec<f32>,
+    lse: Vec<f32>,
     delta: Vec<f32>,
     s: Vec<f32>,
     dp: Vec<f32>,
@@ -58,7 +58,7 @@ impl Scratch {
         Self {
             q: vec![0.0; t.br * d],
             dout: vec![0.0; t.br * dv],
-            lse2: vec![0.0; t.br],
+            lse: vec![0.0; t.br],
             delta: vec![0.0; t.br],
             s: vec![0.0; t.br * t.bc],
             dp: vec![0.0; t.br * t.bc],
@@ -166,7 +166,7 @@ impl<T: Element> Context<'_, T> {
         let (dout, ldo) = rows_f32(&mut sc.dout, self.dout, self.dout_layout, seq, seq.q_start, rows.clone(), head, dv);
         for (r, i) in rows.clone().enumerate() {
             let li = g.lse_index(seq, head, i);
-            sc.lse2[r] = self.lse[li] * std::f32::consts::LOG2_E;
+            sc.lse[r] = self.lse[li];
             sc.delta[r] = self.delta[li];
         }
 
@@ -174,12 +174,12 @@ impl<T: Element> Context<'_, T> {
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
         score_tile(&mut sc.s, bc, (q, ldq, false), &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
         for r in 0..nr {
-            let lse2 = sc.lse2[r];
+            let lse = sc.lse[r];
             let row = &mut sc.s[r * bc..r * bc + nc];
-            if lse2 == f32::NEG_INFINITY {
+            if lse == f32::NEG_INFINITY {
                 row.fill(0.0); // a row that sees no key has no gradient
             } else {
-                exp2_sub_sum(row, lse2);
+                exp_sub_sum(row, lse);
             }
         }
         // dP_ij = dO_i V_jᵀ.
@@ -242,7 +242,9 @@ pub(super) fn row_deltas<T: Element>(
         let seq = &g.seqs[s];
         for i in 0..seq.sq {
             let (o, d_o) = (out.1.row(seq, seq.q_start, i, h), dout.1.row(seq, seq.q_start, i, h));
-            let sum: f32 = (0..g.dv).map(|x| out.0[o + x].to_f32() * dout.0[d_o + x].to_f32()).sum();
+            // Accumulated in f64: D is subtracted from dP, and its rounding lands on every dS.
+            let sum: f64 = (0..g.dv).map(|x| out.0[o + x].to_f64() * dout.0[d_o + x].to_f64()).sum();
+            let sum = sum as f32;
             // SAFETY: (seq, h, i) is visited by this pair alone; lse_index is in bounds.
             unsafe { sink.write(g.lse_index(seq, h, i), sum) };
         }

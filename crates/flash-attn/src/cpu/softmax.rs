@@ -1,14 +1,12 @@
 //! The online-softmax state of one query tile (Algorithm 1, lines 9-13; FA2's deferred
 //! normalisation).
 //!
-//! Scores arrive in base-2 units (`log2 e` folded into the scale), so the exponentials are `exp2`.
-//! For each row the state keeps the running maximum `m` and the running sum `l` of
-//! `2^(s - m)`; the unnormalised output accumulator is rescaled only when `m` grows, and divided
+//! For each row the state keeps the running maximum `m` and the running sum `l` of `e^(s - m)`; the unnormalised output accumulator is rescaled only when `m` grows, and divided
 //! by `l` once, at the end.
 
-use std::f32::consts::LN_2;
+use std::f32::consts::LOG2_E;
 
-use super::vexp::{exp2_sub_sum, row_max};
+use super::vexp::{exp_sub_sum, row_max};
 
 /// Running row maxima and sums of one query tile.
 #[derive(Debug, Default)]
@@ -27,8 +25,8 @@ impl OnlineSoftmax {
     }
 
     /// Folds one score tile into the state: turns `s` (rows of stride `ld_s`, `cols` valid) into
-    /// probabilities `2^(s - m_new)` in place and rescales the output rows `o` (stride `dv`) by
-    /// `2^(m_old - m_new)` where the maximum grew.
+    /// probabilities `e^(s - m_new)` in place and rescales the output rows `o` (stride `dv`) by
+    /// `e^(m_old - m_new)` where the maximum grew.
     pub fn update(&mut self, s: &mut [f32], ld_s: usize, cols: usize, o: &mut [f32], dv: usize) {
         for (r, (m, l)) in self.row_max.iter_mut().zip(&mut self.row_sum).enumerate() {
             let row = &mut s[r * ld_s..r * ld_s + cols];
@@ -45,12 +43,12 @@ impl OnlineSoftmax {
             }
             if m_new > *m {
                 // Algorithm 1, line 12: rescale what was accumulated under the old maximum.
-                let alpha = (*m - m_new).exp2();
+                let alpha = ((*m - m_new) * LOG2_E).exp2();
                 *l *= alpha;
                 o[r * dv..(r + 1) * dv].iter_mut().for_each(|x| *x *= alpha);
                 *m = m_new;
             }
-            *l += exp2_sub_sum(row, m_new);
+            *l += exp_sub_sum(row, m_new);
         }
     }
 
@@ -64,7 +62,7 @@ impl OnlineSoftmax {
         if m == f32::NEG_INFINITY || l == 0.0 {
             return None;
         }
-        Some((1.0 / l, (m + l.log2()) * LN_2))
+        Some((1.0 / l, m + l.ln()))
     }
 }
 
@@ -88,13 +86,8 @@ mod tests {
             }
         }
         let (inv, lse) = st.finish(0).unwrap();
-        let z: f64 = scores.iter().map(|&s| (s as f64 * std::f64::consts::LN_2).exp()).sum();
-        let want: f64 = scores
-            .iter()
-            .zip(&values)
-            .map(|(&s, &v)| (s as f64 * std::f64::consts::LN_2).exp() * v as f64)
-            .sum::<f64>()
-            / z;
+        let z: f64 = scores.iter().map(|&s| (s as f64).exp()).sum();
+        let want: f64 = scores.iter().zip(&values).map(|(&s, &v)| (s as f64).exp() * v as f64).sum::<f64>() / z;
         assert!(((o[0] * inv) as f64 - want).abs() < 1e-5);
         assert!((lse as f64 - z.ln()).abs() < 1e-5);
     }

@@ -1,7 +1,6 @@
 //! Per-tile steps shared by the forward and backward loops: loading rows, and turning `Q_i K_jᵀ`
-//! into the base-2 scores of DESIGN §2 steps 1-4.
+//! into the scores of DESIGN §2 steps 1-4 (natural units).
 
-use std::f32::consts::LOG2_E;
 use std::ops::Range;
 
 use super::gemm::gemm;
@@ -9,16 +8,15 @@ use crate::dtype::Element;
 use crate::mask::{TileClass, Visibility};
 use crate::spec::{Geometry, RowLayout, Sequence};
 
-/// How raw dot products become base-2 scores (`log2 e` folded in, so softmax uses `exp2`).
+/// How raw dot products become scores.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct ScoreMod {
-    /// Multiplies `q` when it is loaded: `scale · log2 e`, or `scale / c` with a softcap.
+    /// Multiplies `q · k`: `scale`, or `scale / c` with a softcap.
     pub q_mult: f32,
-    /// Softcap `c`: `s = (c · tanh(q_loaded · k)) · log2 e` (in that order: `c · log2 e` alone
-    /// overflows for `c` near the largest f32).
+    /// Softcap `c`: `s = c · tanh(q_mult · q · k)`.
     cap: Option<f32>,
-    /// ALiBi slope in base-2 units.
-    slope2: Option<f32>,
+    /// ALiBi slope.
+    slope: Option<f32>,
     /// `sk - sq` of the sequence.
     off: i64,
 }
@@ -27,9 +25,9 @@ impl ScoreMod {
     pub fn new(g: &Geometry<'_>, seq: &Sequence, head: usize) -> Self {
         let q_mult = match g.softcap {
             Some(c) => g.scale / c,
-            None => g.scale * LOG2_E,
+            None => g.scale,
         };
-        ScoreMod { q_mult, cap: g.softcap, slope2: g.alibi_slope(seq, head).map(|m| m * LOG2_E), off: seq.offset() }
+        ScoreMod { q_mult, cap: g.softcap, slope: g.alibi_slope(seq, head), off: seq.offset() }
     }
 
     /// Whether a softcap is applied (the backward pass then needs `tanh` of each score).
@@ -127,15 +125,15 @@ pub(super) fn score_tile(
                 Some(t_row) => {
                     for (x, t) in row.iter_mut().zip(t_row) {
                         *t = x.tanh();
-                        *x = (cap * *t) * LOG2_E;
+                        *x = cap * *t;
                     }
                 }
-                None => row.iter_mut().for_each(|x| *x = (cap * x.tanh()) * LOG2_E),
+                None => row.iter_mut().for_each(|x| *x = cap * x.tanh()),
             }
         }
-        if let Some(slope2) = m.slope2 {
+        if let Some(slope) = m.slope {
             for (x, j) in row.iter_mut().zip(cols.clone()) {
-                *x -= slope2 * (i as i64 + m.off - j as i64).unsigned_abs() as f32;
+                *x -= slope * (i as i64 + m.off - j as i64).unsigned_abs() as f32;
             }
         }
         if class == TileClass::Partial {
