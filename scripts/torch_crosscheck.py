@@ -91,6 +91,45 @@ def visibility(sq, sk, bi, hq, opts, block_mask, bug=None):
     return vis.expand(hq, sq, sk)
 
 
+# --------------------------------------------------------------------------------------------
+# Dropout: Philox4x32-10 keep mask, written here from the definition in docs/semantics.md (not
+# from the Rust code), so a mismatch in either shows.
+# --------------------------------------------------------------------------------------------
+
+_U32 = 0xFFFFFFFF
+
+
+def philox4x32_10(c, k0, k1):
+    """c: list of 4 numpy uint64 arrays holding u32 values; k0, k1: ints. Returns 4 arrays."""
+    import numpy as np
+    m0, m1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    c = [x.astype(np.uint64) for x in c]
+    for r in range(10):
+        if r:
+            k0 = (k0 + 0x9E3779B9) & _U32
+            k1 = (k1 + 0xBB67AE85) & _U32
+        p0 = m0 * c[0]          # < 2^64: exact in uint64
+        p1 = m1 * c[2]
+        hi0, lo0 = p0 >> np.uint64(32), p0 & np.uint64(_U32)
+        hi1, lo1 = p1 >> np.uint64(32), p1 & np.uint64(_U32)
+        c = [hi1 ^ c[1] ^ np.uint64(k0), lo1, hi0 ^ c[3] ^ np.uint64(k1), lo0]
+    return c
+
+
+def keep_factors(p, seed, offset, bi, hq, sq, sk):
+    """[hq, sq, sk] float64 tensor: 1/(1-p) (as f32) where kept, 0 where dropped."""
+    import numpy as np
+    h, i, j = np.meshgrid(np.arange(hq), np.arange(sq), np.arange(sk), indexing="ij")
+    cnt = [(j // 4).astype(np.uint64), i.astype(np.uint64),
+           ((bi * hq + h) & _U32).astype(np.uint64), np.full(h.shape, offset, dtype=np.uint64)]
+    words = philox4x32_10(cnt, seed & _U32, (seed >> 32) & _U32)
+    lane = j % 4
+    u = np.choose(lane, words)
+    threshold = math.ceil(float(np.float32(p)) * 2.0 ** 32)
+    scale = float(np.float32(1.0) / (np.float32(1.0) - np.float32(p)))
+    return torch.from_numpy(np.where(u >= threshold, scale, 0.0))
+
+
 def reference(t, opts, mode, backward=False, bug=None):
     """Algorithm 0 over tensors `t` (as in the input file) and CLI options `opts`.
 
@@ -148,6 +187,9 @@ def reference(t, opts, mode, backward=False, bug=None):
             safe = torch.where(row_any, sm, torch.zeros_like(sm))
             p = torch.where(vis, torch.softmax(safe, dim=-1), torch.zeros_like(safe))
             p = p.to(work)
+            if "dropout" in opts:
+                dp, dseed, doff = opts["dropout"]
+                p = (p * keep_factors(dp, dseed, doff, bi, hq, sq, sk).to(p.dtype)).to(work)
             o = torch.matmul(p, vh)                                     # [hq, sq, dv]
             outs.append(o.transpose(0, 1))                              # [sq, hq, dv]
             lses.append(lse.float() if mode != "f64" else lse)
@@ -229,6 +271,10 @@ def gen_case(seed, idx, backward):
         block = {"shape": rng.choice(["2d", "4d"]), "dtype": rng.choice(["u8", "bool"]),
                  "density": rng.choice([0.3, 0.6, 0.9])}
 
+    if rng.random() < 0.3:
+        # p with a short binary expansion, so the CLI's f32 parse and ours agree exactly.
+        opts["dropout"] = [rng.choice([0.125, 0.25, 0.5, 0.3]), rng.randrange(2**64), rng.randrange(2**32)]
+
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(T)
 
@@ -286,6 +332,9 @@ def cli_args(opts, backward):
         a += ["--scale", repr(opts["scale"])]
     if "block_size" in opts:
         a += ["--block-size", "%d,%d" % tuple(opts["block_size"])]
+    if "dropout" in opts:
+        p, seed, offset = opts["dropout"]
+        a += ["--dropout", repr(p), "--seed", str(seed), "--offset", str(offset)]
     if backward:
         a.append("--backward")
     return a
