@@ -11,7 +11,11 @@
 //! buffers made before timing, and each timed call sits between its own pair of CUDA events (see
 //! [`crate::gpu`]); the grid is BENCH.md's `gpu` grid and peak memory is not measured
 //! (`peak_extra_bytes` is `null`).
+//!
+//! `--memory --plot FILE.svg` draws the memory table's measurements as a figure (runtime and peak
+//! extra memory vs N, see [`crate::plot`]); nothing is measured twice.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -21,6 +25,7 @@ use flash_attn::{AttentionSpec, DType, Element, Tensor, TensorMut};
 use half::{bf16, f16};
 
 use crate::gpu::GpuElement;
+use crate::plot::{self, Point, Series};
 use crate::progress::Progress;
 use crate::run::zeroed;
 use crate::{alloc, CliError, Device, Result};
@@ -75,6 +80,21 @@ pub struct BenchArgs {
     /// Longest sequence Algorithm 0 runs on in the memory table (it needs N² floats).
     #[arg(long, value_name = "N", default_value_t = 8192, requires = "memory")]
     naive_max: usize,
+
+    /// Also draw the memory table as an SVG figure: runtime and peak extra memory vs N, log-log,
+    /// Algorithm 0 next to flash-attn.
+    #[arg(long, value_name = "FILE.svg", requires = "memory")]
+    plot: Option<PathBuf>,
+
+    /// Longest sequence of the memory table (for tests: a short sweep).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = MEMORY_SEQLENS[MEMORY_SEQLENS.len() - 1],
+        requires = "memory",
+        hide = true
+    )]
+    max_n: usize,
 }
 
 /// The sizes of one benchmark problem (`v` has head dim `d` too).
@@ -206,7 +226,7 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
         warm_up()?;
     }
     if args.memory {
-        return memory_table(args.naive_max);
+        return memory_table(args.naive_max, args.max_n, args.plot.as_deref());
     }
 
     let problems = match args.shape {
@@ -451,16 +471,26 @@ fn measure_naive(s: Shape, progress: &Progress) -> Result<(f64, usize)> {
     Ok((ms, extra.saturating_sub(result_bytes)))
 }
 
-/// "Memory shown, not claimed": extra peak bytes and time of our forward and of Algorithm 0.
-fn memory_table(naive_max: usize) -> Result<ExitCode> {
-    let progress = Progress::bar(MEMORY_SEQLENS.len() as u64, "memory");
+/// "Memory shown, not claimed": extra peak bytes and time of our forward and of Algorithm 0 for
+/// N up to `max_n`; with `plot`, the same measurements drawn as a figure (see [`crate::plot`]).
+fn memory_table(naive_max: usize, max_n: usize, plot: Option<&Path>) -> Result<ExitCode> {
+    if let Some(dir) = plot.and_then(Path::parent).filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+        // Before the sweep, not a minute after it.
+        return Err(CliError::new(format!("cannot write the figure: {} is not a directory", dir.display())));
+    }
+    let seqlens: Vec<usize> = MEMORY_SEQLENS.into_iter().filter(|&n| n <= max_n).collect();
+    let progress = Progress::bar(seqlens.len() as u64, "memory");
     let mut rows = Vec::new();
-    for n in MEMORY_SEQLENS {
+    let mut naive_points = Vec::new();
+    let mut ours_points = Vec::new();
+    for n in seqlens {
         progress.set_message(format!("N = {n}"));
         let shape = Shape { b: 1, hq: 1, hk: 1, sq: n, sk: n, d: MEMORY_D };
         let ours = measure_typed::<f32>(&Problem { shape, causal: false }, &progress, MEMORY_MIN_RUNS, false)?;
+        ours_points.push(Point { n, ms: ours.fwd_ms, peak_extra_bytes: ours.peak_extra });
         let (naive_mem, naive_time) = if n <= naive_max {
             let (ms, bytes) = measure_naive(shape, &progress)?;
+            naive_points.push(Point { n, ms, peak_extra_bytes: Some(bytes) });
             (fmt_bytes(bytes), fmt_time(ms))
         } else {
             ("not run".to_owned(), "not run".to_owned())
@@ -491,6 +521,14 @@ fn memory_table(naive_max: usize) -> Result<ExitCode> {
          Algorithm 0: flash_attn::reference::naive::<f32> (materialises S and P), one run, its f64 \
          result buffers not counted; run up to N = {naive_max} (--naive-max)."
     );
+    if let Some(path) = plot {
+        let series = [
+            Series { label: "Algorithm 0 (reference::naive)".to_owned(), points: naive_points },
+            Series { label: "FlashAttention (flash-attn)".to_owned(), points: ours_points },
+        ];
+        let title = format!("forward, cpu f32, one head, d = {MEMORY_D}, sq = sk = N");
+        plot::write_svg(path, &title, &series)?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -566,7 +604,7 @@ fn fmt_time(ms: f64) -> String {
 }
 
 /// `1024` as `1k`, `65536` as `64k`.
-fn fmt_count(n: usize) -> String {
+pub(crate) fn fmt_count(n: usize) -> String {
     if n >= 1024 && n.is_multiple_of(1024) {
         format!("{}k", n / 1024)
     } else {
@@ -575,7 +613,7 @@ fn fmt_count(n: usize) -> String {
 }
 
 /// Bytes in B, KiB, MiB or GiB.
-fn fmt_bytes(n: usize) -> String {
+pub(crate) fn fmt_bytes(n: usize) -> String {
     const K: f64 = 1024.0;
     let x = n as f64;
     if x < K {

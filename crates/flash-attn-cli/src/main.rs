@@ -13,6 +13,7 @@ mod check;
 mod gpu;
 mod io;
 mod kernels;
+mod plot;
 mod progress;
 mod run;
 mod safetensors_io;
@@ -49,6 +50,9 @@ enum Command {
     /// The CUDA kernels (cuda builds): `--compile-all` compiles every variant with NVRTC and
     /// reports registers and spills.
     Kernels(kernels::KernelsArgs),
+    /// Draw saved bench JSON lines (`sq`, `fwd_ms`, optional `peak_extra_bytes`, `label`) as an
+    /// SVG figure: runtime vs N, log-log, one series per label.
+    Plot(plot::PlotArgs),
 }
 
 /// Where attention runs.
@@ -121,6 +125,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::main(&args),
         Command::Io(args) => io::main(&args),
         Command::Kernels(args) => kernels::main(&args),
+        Command::Plot(args) => plot::main(&args),
     });
     match result {
         Ok(code) => code,

@@ -918,6 +918,76 @@ fn bench_rejects_an_invalid_shape() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Figures: `bench --memory --plot` and `plot --from`
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn bench_memory_plot_draws_algorithm_0_and_flash_attn_from_the_table_sweep() {
+    let dir = TempDir::new("memory-plot");
+    let svg = dir.path("memory.svg");
+    let res = flash_attn(&["bench", "--memory", "--max-n", "2048", "--plot", svg.to_str().expect("utf-8 path")]);
+    assert!(res.status.success(), "{res:?}");
+    let table = String::from_utf8_lossy(&res.stdout);
+    assert!(table.contains("| 2k ") && !table.contains("| 4k "), "{table}");
+    let svg = std::fs::read_to_string(&svg).expect("figure written");
+    for text in ["<svg", "Algorithm 0", "FlashAttention", "runtime", "peak extra memory"] {
+        assert!(svg.contains(text), "{text} missing from the figure");
+    }
+}
+
+#[test]
+fn plot_draws_one_series_per_label_from_bench_json_lines() {
+    let dir = TempDir::new("plot-json");
+    let (json, svg) = (dir.path("bench.json"), dir.path("fwd.svg"));
+    let lines = [
+        r#"{"device":"cuda","dtype":"bf16","d":64,"causal":false,"sq":1024,"fwd_ms":0.5,"peak_extra_bytes":null}"#,
+        r#"{"device":"cuda","dtype":"bf16","d":64,"causal":false,"sq":2048,"fwd_ms":1.5,"peak_extra_bytes":null}"#,
+        r#"{"label":"torch sdpa","sq":1024,"fwd_ms":0.4}"#,
+        r#"{"label":"torch sdpa","sq":2048,"fwd_ms":1.2}"#,
+    ];
+    std::fs::write(&json, lines.join("\n")).expect("write json");
+    let res = flash_attn(&["plot", "--from", json.to_str().expect("utf-8"), "--output", svg.to_str().expect("utf-8")]);
+    assert!(res.status.success(), "{res:?}");
+    let svg = std::fs::read_to_string(&svg).expect("figure written");
+    assert!(svg.contains("flash-attn cuda bf16 d=64") && svg.contains("torch sdpa"), "labels missing");
+    assert!(!svg.contains("peak extra memory"), "no memory panel without peaks");
+}
+
+#[test]
+fn plot_to_an_unwritable_path_is_one_line_and_writes_nothing() {
+    let dir = TempDir::new("plot-unwritable");
+    let json = dir.path("bench.json");
+    std::fs::write(&json, r#"{"sq":1024,"fwd_ms":1.0}"#).expect("write json");
+    let missing = dir.path("no-such-dir").join("fwd.svg");
+    let args = ["plot", "--from", json.to_str().expect("utf-8"), "--output", missing.to_str().expect("utf-8")];
+    let res = flash_attn(&args);
+    assert_error_output(&args, &res);
+    assert_eq!(dir.files(), ["bench.json"]);
+}
+
+#[test]
+fn plot_rejects_json_lines_without_fwd_ms() {
+    let dir = TempDir::new("plot-bad-json");
+    let (json, svg) = (dir.path("bench.json"), dir.path("fwd.svg"));
+    std::fs::write(&json, "{\"sq\":1024}\n").expect("write json");
+    let args = ["plot", "--from", json.to_str().expect("utf-8"), "--output", svg.to_str().expect("utf-8")];
+    let res = flash_attn(&args);
+    assert_error_output(&args, &res);
+    assert!(String::from_utf8_lossy(&res.stderr).contains("fwd_ms"));
+    assert_eq!(dir.files(), ["bench.json"]);
+}
+
+#[test]
+fn bench_memory_plot_into_a_missing_directory_fails_before_the_sweep() {
+    let dir = TempDir::new("memory-plot-missing");
+    let missing = dir.path("no-such-dir").join("memory.svg");
+    let args = ["bench", "--memory", "--plot", missing.to_str().expect("utf-8")];
+    let res = flash_attn(&args);
+    assert_error_output(&args, &res);
+    assert!(res.stdout.is_empty(), "no table before the error");
+}
+
+// ---------------------------------------------------------------------------------------------
 // The CUDA backend: `--device cuda` and `kernels` (cargo feature `cuda`)
 // ---------------------------------------------------------------------------------------------
 
