@@ -4,7 +4,7 @@
 use super::blocking::Tiles;
 use super::gemm::{gemm, gemm_acc_skipping_zeros};
 use super::softmax::OnlineSoftmax;
-use super::tile::{load_rows, rows_f32, score_tile, transpose, ScoreMod};
+use super::tile::{load_rows, panels, rows_f32, score_tile, transpose, ScoreMod, PANEL};
 use super::Sink;
 use crate::dtype::Element;
 use crate::mask::TileClass;
@@ -98,11 +98,20 @@ impl<T: Element> Context<'_, T> {
                 }
             }
             let (v, ldv) = rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
-            if class == TileClass::Partial && !self.v_finite {
+            if class == TileClass::Full {
+                gemm(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc), true);
+            } else if !self.v_finite {
                 // Masked probabilities are exact zeros: never form 0 · NaN for a hidden key.
                 gemm_acc_skipping_zeros(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc));
             } else {
-                gemm(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc), true);
+                // Panel by panel, over the keys the panel can see (the rest of P is exact zeros).
+                for (p0, keys) in panels(&vis, rows.clone(), cols.clone()) {
+                    let n = (p0 + PANEL).min(nr) - p0;
+                    if !keys.is_empty() {
+                        let (o, p) = (&mut sc.o[p0 * dv..], &sc.s[p0 * bc + keys.start..]);
+                        gemm(o, dv, p, bc, &v[keys.start * ldv..], ldv, (n, dv, keys.len()), true);
+                    }
+                }
             }
         }
 

@@ -60,6 +60,29 @@ pub(super) fn load_rows<T: Element>(
     }
 }
 
+/// Rows per panel when a Partial tile is computed panel by panel (a multiple of the GEMM's
+/// register tile).
+pub(super) const PANEL: usize = 32;
+
+/// The row panels of a Partial tile `rows × cols`: for each panel, its first row (relative to
+/// `rows.start`) and the columns (relative to `cols.start`) that any of its rows can see by the
+/// interval rules. Spans are monotone, so the panel's first and last rows bound them; a block mask
+/// only removes keys from these, so they stay a superset of the visible ones.
+pub(super) fn panels<'v>(
+    vis: &'v Visibility<'_>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) -> impl Iterator<Item = (usize, Range<usize>)> + 'v {
+    (0..rows.len()).step_by(PANEL).map(move |p0| {
+        let first = rows.start + p0;
+        let last = (first + PANEL).min(rows.end) - 1;
+        let keys = vis.key_range(first..last + 1);
+        let lo = keys.start.clamp(cols.start, cols.end) - cols.start;
+        let hi = keys.end.clamp(cols.start, cols.end) - cols.start;
+        (p0, lo..hi.max(lo))
+    })
+}
+
 /// Rows `rows` of head `head` as an `f32` matrix `(data, row stride)`: read in place when the input
 /// is `f32` and its rows do not overlap, otherwise widened into `buf` (row stride `dim`).
 #[allow(clippy::too_many_arguments)]
@@ -113,7 +136,32 @@ pub(super) fn score_tile(
     mut tanh: Option<&mut [f32]>,
 ) {
     let nc = cols.len();
-    gemm(s, ld, q, ldq, kt, ld, (rows.len(), nc, d), false);
+    if class == TileClass::Partial {
+        // Only the columns some row of each panel can see: on a causal diagonal about half.
+        for (p0, keys) in panels(vis, rows.clone(), cols.clone()) {
+            let n = (p0 + PANEL).min(rows.len()) - p0;
+            for r in p0..p0 + n {
+                // Columns outside the panel's keys are invisible: the mask below sets them to
+                // -inf; zero them first so the score modifiers never see stale values.
+                s[r * ld..r * ld + keys.start].fill(0.0);
+                s[r * ld + keys.end..r * ld + nc].fill(0.0);
+            }
+            if !keys.is_empty() {
+                gemm(
+                    &mut s[p0 * ld + keys.start..],
+                    ld,
+                    &q[p0 * ldq..],
+                    ldq,
+                    &kt[keys.start..],
+                    ld,
+                    (n, keys.len(), d),
+                    false,
+                );
+            }
+        }
+    } else {
+        gemm(s, ld, q, ldq, kt, ld, (rows.len(), nc, d), false);
+    }
     for (r, i) in rows.enumerate() {
         let row = &mut s[r * ld..r * ld + nc];
         if !q_scaled {
