@@ -66,8 +66,9 @@ impl<T: Element> Context<'_, T> {
         let smod = ScoreMod::new(g, seq, head);
         let dropout = g.dropout.map(|dr| DropoutRng::new(dr.p, dr.seed, dr.offset));
 
-        // Load Q_i (Algorithm 1, line 8), scaled; zero O_i, m_i = -inf, l_i = 0.
-        load_rows(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, smod.q_mult);
+        // Load Q_i (Algorithm 1, line 8); zero O_i, m_i = -inf, l_i = 0. The scale multiplies the
+        // dot products, not Q: rounding q · scale per element costs accuracy at large scales.
+        load_rows(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0);
         sc.o[..nr * dv].fill(0.0);
         sc.softmax.reset(nr);
 
@@ -88,7 +89,19 @@ impl<T: Element> Context<'_, T> {
             transpose(&mut sc.kt, bc, k, ldk, nc, d);
 
             // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only.
-            score_tile(&mut sc.s, bc, (&sc.q, d, true), &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, None);
+            score_tile(
+                &mut sc.s,
+                bc,
+                (&sc.q, d, false),
+                &sc.kt,
+                d,
+                rows.clone(),
+                cols.clone(),
+                smod,
+                class,
+                &vis,
+                None,
+            );
             // m, l, P and the rescale of O (lines 10-12), then O_i += P_ij V_j.
             sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv);
             if let Some(rng) = &dropout {
