@@ -55,14 +55,17 @@ impl DType {
 }
 
 impl DType {
-    /// `eps_T` for gradients: as [`contract_eps`](Self::contract_eps), but `2^-16` for `f32`.
-    /// The backward pass recomputes `P` from the f32 LSE, whose rounding (`ulp(|lse|)`) becomes a
-    /// relative error of `P`; with large scores (a large scale, ALiBi) that is several ulps above
-    /// what a naive f32 implementation, which subtracts an exact row maximum, sees.
+    /// `eps_T` for gradients: `2^-16` for `f32`, eight units in the last place near 1 for the half
+    /// types (twice the output floor). FlashAttention's backward pass adds two roundings of its
+    /// own by design: `P` is recomputed from the f32 LSE, whose rounding (`ulp(|lse|)`) becomes a
+    /// relative error of `P` (several f32 ulps with a large scale or ALiBi); and
+    /// `D = rowsum(dO ∘ O)` comes from `O` rounded to the dtype, which leaves a residue of about
+    /// `eps_T · |D|` where the exact gradient is 0 (one visible key per row) — where the naive
+    /// error is exactly 0 too.
     pub fn contract_eps_grad(self) -> f64 {
         match self {
             DType::F32 => 1.0 / (1u32 << 16) as f64,
-            other => other.contract_eps(),
+            other => 2.0 * other.contract_eps(),
         }
     }
 }
