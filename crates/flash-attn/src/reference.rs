@@ -88,7 +88,7 @@ pub fn forward<T: Element>(
     v: &Tensor<'_, T>,
 ) -> Result<Reference> {
     let g = Geometry::new(spec, q, k, v)?;
-    Ok(Oracle::<f64, T> { g: &g, q: q.data(), k: k.data(), v: v.data(), round: |x| x }.forward())
+    Ok(Oracle::<f64, T>::new(&g, q, k, v, |x| x).forward())
 }
 
 /// Algorithm 0 in the input dtype with `f32` accumulation (`naive_T` of the numerics contract).
@@ -99,7 +99,7 @@ pub fn naive<T: Element>(
     v: &Tensor<'_, T>,
 ) -> Result<Reference> {
     let g = Geometry::new(spec, q, k, v)?;
-    Ok(Oracle::<f32, T> { g: &g, q: q.data(), k: k.data(), v: v.data(), round: round_to::<T> }.forward())
+    Ok(Oracle::<f32, T>::new(&g, q, k, v, round_to::<T>).forward())
 }
 
 /// The backward pass of Algorithm 0 in `f64`: explicit chain rule through `S` and `P`.
@@ -113,7 +113,7 @@ pub fn backward<T: Element>(
 ) -> Result<ReferenceGrads> {
     let g = Geometry::new(spec, q, k, v)?;
     let dout = g.check_grad_input(dout)?;
-    Ok(Oracle::<f64, T> { g: &g, q: q.data(), k: k.data(), v: v.data(), round: |x| x }.backward(dout))
+    Ok(Oracle::<f64, T>::new(&g, q, k, v, |x| x).backward(dout))
 }
 
 /// The backward pass of Algorithm 0 in the input dtype with `f32` accumulation (`naive_T`).
@@ -126,7 +126,7 @@ pub fn naive_backward<T: Element>(
 ) -> Result<ReferenceGrads> {
     let g = Geometry::new(spec, q, k, v)?;
     let dout = g.check_grad_input(dout)?;
-    Ok(Oracle::<f32, T> { g: &g, q: q.data(), k: k.data(), v: v.data(), round: round_to::<T> }.backward(dout))
+    Ok(Oracle::<f32, T>::new(&g, q, k, v, round_to::<T>).backward(dout))
 }
 
 fn round_to<T: Element>(x: f32) -> f32 {
@@ -155,7 +155,17 @@ struct Probs<R> {
     lse: Vec<f64>,
 }
 
-impl<R: Real, T: Element> Oracle<'_, '_, R, T> {
+impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
+    fn new(
+        g: &'g Geometry<'a>,
+        q: &'g Tensor<'_, T>,
+        k: &'g Tensor<'_, T>,
+        v: &'g Tensor<'_, T>,
+        round: fn(R) -> R,
+    ) -> Self {
+        Oracle { g, q: q.data(), k: k.data(), v: v.data(), round }
+    }
+
     fn x(data: &[T], i: usize) -> R {
         R::from_f32(data[i].to_f32())
     }
