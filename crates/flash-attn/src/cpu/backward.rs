@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::blocking::Tiles;
 use super::gemm::{gemm, gemm_ta};
-use super::tile::{load_rows, rows_f32, score_tile, transpose, ScoreMod};
+use super::tile::{load_rows, rows_f32, score_tile, transpose, QkOperands, ScoreMod};
 use super::vexp::exp_sub_sum;
 use super::Sink;
 use crate::dtype::Element;
@@ -172,7 +172,8 @@ impl<T: Element> Context<'_, T> {
 
         // Recompute S_ij and P_ij = exp(S_ij - L_i) from the saved LSE.
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
-        score_tile(&mut sc.s, bc, (q, ldq, false), &sc.kt, d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
+        let qk = QkOperands::F32 { q, ldq, kt: &sc.kt };
+        score_tile(&mut sc.s, bc, (qk, false), d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
         for r in 0..nr {
             let lse = sc.lse[r];
             let row = &mut sc.s[r * bc..r * bc + nc];

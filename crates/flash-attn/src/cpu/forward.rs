@@ -2,9 +2,10 @@
 //! query tile stays put, key/value tiles stream past it).
 
 use super::blocking::Tiles;
-use super::gemm::{gemm, gemm_acc_skipping_zeros};
+use super::gemm::{gemm, gemm_acc_skipping_zeros, gemm_bf16, Bf16Pair};
+use super::pairs::{narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::softmax::OnlineSoftmax;
-use super::tile::{load_rows, panels, rows_f32, score_tile, transpose, ScoreMod, PANEL};
+use super::tile::{load_rows, panels, rows_f32, score_tile, transpose, QkOperands, ScoreMod, PANEL};
 use super::Sink;
 use crate::dtype::Element;
 use crate::mask::TileClass;
@@ -21,20 +22,46 @@ pub(super) struct Scratch {
     s: Vec<f32>,
     o: Vec<f32>,
     softmax: OnlineSoftmax,
+    /// The operand tiles as `bf16` pairs, when the products run on them (then `q`, `k`, `kt`, `v`
+    /// stay empty).
+    pairs: Option<PairTiles>,
+}
+
+/// `Q_i`, `K_jᵀ`, `V_j` and `P_ij` in the pair layout of [`gemm_bf16`].
+struct PairTiles {
+    q: Vec<Bf16Pair>,
+    kt: Vec<Bf16Pair>,
+    v: Vec<Bf16Pair>,
+    p: Vec<Bf16Pair>,
 }
 
 impl Scratch {
-    pub(super) fn new(g: &Geometry<'_>, t: Tiles) -> Self {
+    pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool) -> Self {
+        let f32_tile = |n: usize| if pairs { Vec::new() } else { vec![0.0; n] };
         Self {
-            q: vec![0.0; t.br * g.d],
-            k: vec![0.0; t.bc * g.d],
-            kt: vec![0.0; g.d * t.bc],
-            v: vec![0.0; t.bc * g.dv],
+            q: f32_tile(t.br * g.d),
+            k: f32_tile(t.bc * g.d),
+            kt: f32_tile(g.d * t.bc),
+            v: f32_tile(t.bc * g.dv),
             s: vec![0.0; t.br * t.bc],
             o: vec![0.0; t.br * g.dv],
             softmax: OnlineSoftmax::default(),
+            pairs: pairs.then(|| PairTiles {
+                q: vec![0; t.br * g.d.div_ceil(2)],
+                kt: vec![0; g.d.div_ceil(2) * t.bc],
+                v: vec![0; t.bc.div_ceil(2) * g.dv],
+                p: vec![0; t.br * t.bc.div_ceil(2)],
+            }),
         }
     }
+}
+
+/// The raw bits of `bf16` inputs, for the products on `bf16` pairs.
+#[derive(Clone, Copy)]
+pub(super) struct Bf16Inputs<'a> {
+    pub q: &'a [u16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
 }
 
 /// Everything the query tiles of one call share.
@@ -49,6 +76,10 @@ pub(super) struct Context<'a, T> {
     pub tiles: Tiles,
     /// Whether every value of `v` is finite (the fast GEMM is then exact for masked keys).
     pub v_finite: bool,
+    /// `Some` when the inputs are `bf16`, `v` is finite and the CPU multiplies `bf16` pairs:
+    /// both products then run on `bf16` operands (exact products, `f32` sums; `P` rounded to
+    /// `bf16` as in FlashAttention-2), at twice the rate of widening to `f32`.
+    pub bf16: Option<Bf16Inputs<'a>>,
 }
 
 impl<T: Element> Context<'_, T> {
@@ -68,7 +99,11 @@ impl<T: Element> Context<'_, T> {
 
         // Load Q_i (Algorithm 1, line 8); zero O_i, m_i = -inf, l_i = 0. The scale multiplies the
         // dot products, not Q: rounding q · scale per element costs accuracy at large scales.
-        load_rows(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0);
+        let dp = d.div_ceil(2);
+        match (self.bf16, sc.pairs.as_mut()) {
+            (Some(bits), Some(pt)) => pack_rows(&mut pt.q, dp, bits.q, g.q, seq, seq.q_start, rows.clone(), head, d),
+            _ => load_rows(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0),
+        }
         sc.o[..nr * dv].fill(0.0);
         sc.softmax.reset(nr);
 
@@ -85,23 +120,20 @@ impl<T: Element> Context<'_, T> {
                 continue;
             }
             let nc = cols.len();
-            let (k, ldk) = rows_f32(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
-            transpose(&mut sc.kt, bc, k, ldk, nc, d);
+            let qk = match (self.bf16, sc.pairs.as_mut()) {
+                (Some(bits), Some(pt)) => {
+                    pack_rows_transposed(&mut pt.kt, bc, bits.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
+                    QkOperands::Bf16Pairs { q: &pt.q, ldq: dp, kt: &pt.kt }
+                }
+                _ => {
+                    let (k, ldk) = rows_f32(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
+                    transpose(&mut sc.kt, bc, k, ldk, nc, d);
+                    QkOperands::F32 { q: &sc.q, ldq: d, kt: &sc.kt }
+                }
+            };
 
             // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only.
-            score_tile(
-                &mut sc.s,
-                bc,
-                (&sc.q, d, false),
-                &sc.kt,
-                d,
-                rows.clone(),
-                cols.clone(),
-                smod,
-                class,
-                &vis,
-                None,
-            );
+            score_tile(&mut sc.s, bc, (qk, false), d, rows.clone(), cols.clone(), smod, class, &vis, None);
             // m, l, P and the rescale of O (lines 10-12), then O_i += P_ij V_j.
             sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv);
             if let Some(rng) = &dropout {
@@ -109,6 +141,29 @@ impl<T: Element> Context<'_, T> {
                 for (r, i) in rows.clone().enumerate() {
                     rng.apply_row(seq.batch, head, g.hq, i, cols.start, rng.scale(), &mut sc.s[r * bc..r * bc + nc]);
                 }
+            }
+            if let (Some(bits), Some(pt)) = (self.bf16, sc.pairs.as_mut()) {
+                // O_i += P_ij V_j on pairs of keys: P rounded to bf16, V interleaved by key pairs.
+                let ldp = bc.div_ceil(2);
+                pack_row_pairs(&mut pt.v, dv, bits.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
+                for r in 0..nr {
+                    narrow_to_pairs(&mut pt.p[r * ldp..], &sc.s[r * bc..r * bc + nc]);
+                }
+                if class == TileClass::Full {
+                    gemm_bf16(&mut sc.o, dv, &pt.p, ldp, &pt.v, dv, (nr, dv, nc.div_ceil(2)), true);
+                } else {
+                    // Panel by panel as below; a panel's keys widened to whole pairs (the extra
+                    // key is a masked one, whose probability is an exact zero).
+                    for (p0, keys) in panels(&vis, rows.clone(), cols.clone()) {
+                        let n = (p0 + PANEL).min(nr) - p0;
+                        let words = keys.start / 2..keys.end.div_ceil(2);
+                        if !keys.is_empty() {
+                            let (o, p) = (&mut sc.o[p0 * dv..], &pt.p[p0 * ldp + words.start..]);
+                            gemm_bf16(o, dv, p, ldp, &pt.v[words.start * dv..], dv, (n, dv, words.len()), true);
+                        }
+                    }
+                }
+                continue;
             }
             let (v, ldv) = rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
             if class == TileClass::Full {

@@ -9,6 +9,7 @@ mod backward;
 pub(crate) mod blocking;
 mod forward;
 pub mod gemm;
+mod pairs;
 mod softmax;
 mod tile;
 mod vexp;
@@ -147,6 +148,11 @@ pub fn forward_into_tiled<T: Element>(
     fill_uncovered_rows(g, out, out_layout, lse);
     let out_sink = Sink::new(out.data_mut());
     let lse_sink = Sink::new(lse);
+    let v_finite = all_finite(g, v);
+    let bf16 = match (pairs::bf16_bits(q.data()), pairs::bf16_bits(k.data()), pairs::bf16_bits(v.data())) {
+        (Some(q), Some(k), Some(v)) if v_finite && gemm::bf16_pairs_fast() => Some(forward::Bf16Inputs { q, k, v }),
+        _ => None,
+    };
     let ctx = forward::Context {
         g,
         q: q.data(),
@@ -156,11 +162,12 @@ pub fn forward_into_tiled<T: Element>(
         out_layout,
         lse: &lse_sink,
         tiles,
-        v_finite: all_finite(g, v),
+        v_finite,
+        bf16,
     };
     for_each_dynamic(
         &items,
-        || forward::Scratch::new(g, tiles),
+        || forward::Scratch::new(g, tiles, bf16.is_some()),
         |scratch, w| ctx.query_tile(scratch, w.seq, w.head, w.tile),
     );
     Ok(())

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::gemm::gemm;
+use super::gemm::{gemm, gemm_bf16, Bf16Pair};
 use crate::dtype::Element;
 use crate::mask::{TileClass, Visibility};
 use crate::spec::{Geometry, RowLayout, Sequence};
@@ -117,16 +117,36 @@ pub(super) fn transpose(dst: &mut [f32], ld_dst: usize, src: &[f32], ld_src: usi
     }
 }
 
-/// The score tile of `rows × cols` (rows of stride `ld` in `s`): `S = Q Kᵀ` from `Q` (row stride
-/// `ldq`; already multiplied by `q_mult` when `q_scaled`, else the product is) and the packed `Kᵀ`
-/// (`d × ld`), then softcap (its `tanh` values kept in `tanh` when given),
-/// ALiBi, and the mask on Partial tiles.
+/// The operands of `S = Q Kᵀ` for one tile: `Q` (row stride `ldq`) and the packed `Kᵀ` (row
+/// stride the score tile's), in `f32` or as `bf16` pairs along the head dim.
+#[derive(Clone, Copy)]
+pub(super) enum QkOperands<'a> {
+    F32 { q: &'a [f32], ldq: usize, kt: &'a [f32] },
+    Bf16Pairs { q: &'a [Bf16Pair], ldq: usize, kt: &'a [Bf16Pair] },
+}
+
+impl QkOperands<'_> {
+    /// `s[r][c] = q[r0 + r] · k[c0 + c]` for `n` rows and `nc` columns; `ld` is the row stride of
+    /// `s` and of `Kᵀ`.
+    #[allow(clippy::too_many_arguments)]
+    fn product(&self, s: &mut [f32], ld: usize, r0: usize, c0: usize, (n, nc, d): (usize, usize, usize)) {
+        match *self {
+            QkOperands::F32 { q, ldq, kt } => gemm(s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d), false),
+            QkOperands::Bf16Pairs { q, ldq, kt } => {
+                gemm_bf16(s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d.div_ceil(2)), false)
+            }
+        }
+    }
+}
+
+/// The score tile of `rows × cols` (rows of stride `ld` in `s`): `S = Q Kᵀ` from the operands
+/// (`Q` already multiplied by `q_mult` when `q_scaled`, else the product is), then softcap (its
+/// `tanh` values kept in `tanh` when given), ALiBi, and the mask on Partial tiles.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn score_tile(
     s: &mut [f32],
     ld: usize,
-    (q, ldq, q_scaled): (&[f32], usize, bool),
-    kt: &[f32],
+    (qk, q_scaled): (QkOperands<'_>, bool),
     d: usize,
     rows: Range<usize>,
     cols: Range<usize>,
@@ -147,20 +167,11 @@ pub(super) fn score_tile(
                 s[r * ld + keys.end..r * ld + nc].fill(0.0);
             }
             if !keys.is_empty() {
-                gemm(
-                    &mut s[p0 * ld + keys.start..],
-                    ld,
-                    &q[p0 * ldq..],
-                    ldq,
-                    &kt[keys.start..],
-                    ld,
-                    (n, keys.len(), d),
-                    false,
-                );
+                qk.product(&mut s[p0 * ld + keys.start..], ld, p0, keys.start, (n, keys.len(), d));
             }
         }
     } else {
-        gemm(s, ld, q, ldq, kt, ld, (rows.len(), nc, d), false);
+        qk.product(s, ld, 0, 0, (rows.len(), nc, d));
     }
     for (r, i) in rows.enumerate() {
         let row = &mut s[r * ld..r * ld + nc];

@@ -1,0 +1,187 @@
+//! `bf16` operands in the pair layout of [`gemm_bf16`](super::gemm::gemm_bf16): two consecutive
+//! elements along the product's `k` dimension in one word, low half first.
+//!
+//! For `S = Q Kᵀ` the pairs run along the head dim, so a row of `Q` or `K` is already a sequence
+//! of pairs and `Kᵀ` is a transpose of words. For `O += P V` they run along the keys: `P` is
+//! rounded to `bf16` (as FlashAttention-2 does before its second product) and each word of `V`
+//! interleaves two consecutive keys.
+
+use std::any::TypeId;
+use std::ops::Range;
+
+use super::gemm::Bf16Pair;
+use crate::dtype::Element;
+use crate::spec::{RowLayout, Sequence};
+
+/// The raw bits of a `bf16` slice; `None` for the other element types.
+pub(super) fn bf16_bits<T: Element>(src: &[T]) -> Option<&[u16]> {
+    if TypeId::of::<T>() != TypeId::of::<half::bf16>() {
+        return None;
+    }
+    // SAFETY: `T` is `half::bf16` (checked above), a `#[repr(transparent)]` wrapper of `u16`:
+    // same size, alignment and validity, so the slice may be viewed as its bits.
+    Some(unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u16>(), src.len()) })
+}
+
+#[inline(always)]
+fn pair(lo: u16, hi: u16) -> Bf16Pair {
+    lo as u32 | (hi as u32) << 16
+}
+
+/// Word `p` of a row of `dim` elements: elements `2p` and `2p + 1` (zero past the end).
+#[inline(always)]
+fn row_word(row: &[u16], p: usize) -> Bf16Pair {
+    pair(row[2 * p], row.get(2 * p + 1).copied().unwrap_or(0))
+}
+
+/// Rows `rows` of head `head` as pairs along the row: `dst[r · ld + p]` = elements `2p, 2p + 1`
+/// of row `r` (the `A` operand of `S = Q Kᵀ`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pack_rows(
+    dst: &mut [Bf16Pair],
+    ld: usize,
+    src: &[u16],
+    layout: RowLayout,
+    seq: &Sequence,
+    start: usize,
+    rows: Range<usize>,
+    head: usize,
+    dim: usize,
+) {
+    for (r, i) in rows.enumerate() {
+        let at = layout.row(seq, start, i, head);
+        let row = &src[at..at + dim];
+        for (p, w) in dst[r * ld..r * ld + dim.div_ceil(2)].iter_mut().enumerate() {
+            *w = row_word(row, p);
+        }
+    }
+}
+
+/// Rows `rows` of head `head`, transposed into pairs along the row: `dst[p · ld + c]` = elements
+/// `2p, 2p + 1` of row `c` (the `B` operand `Kᵀ` of `S = Q Kᵀ`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pack_rows_transposed(
+    dst: &mut [Bf16Pair],
+    ld: usize,
+    src: &[u16],
+    layout: RowLayout,
+    seq: &Sequence,
+    start: usize,
+    rows: Range<usize>,
+    head: usize,
+    dim: usize,
+) {
+    for (c, j) in rows.enumerate() {
+        let at = layout.row(seq, start, j, head);
+        let row = &src[at..at + dim];
+        for p in 0..dim.div_ceil(2) {
+            dst[p * ld + c] = row_word(row, p);
+        }
+    }
+}
+
+/// Rows `rows` of head `head` interleaved two by two: `dst[q · ld + x]` = element `x` of rows
+/// `2q` and `2q + 1` (zero for a missing last row) — the `B` operand `V` of `O += P V`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pack_row_pairs(
+    dst: &mut [Bf16Pair],
+    ld: usize,
+    src: &[u16],
+    layout: RowLayout,
+    seq: &Sequence,
+    start: usize,
+    rows: Range<usize>,
+    head: usize,
+    dim: usize,
+) {
+    let mut i = rows.start;
+    let mut q = 0;
+    while i < rows.end {
+        let at0 = layout.row(seq, start, i, head);
+        let lo = &src[at0..at0 + dim];
+        let out = &mut dst[q * ld..q * ld + dim];
+        if i + 1 < rows.end {
+            let at1 = layout.row(seq, start, i + 1, head);
+            let hi = &src[at1..at1 + dim];
+            for ((w, &l), &h) in out.iter_mut().zip(lo).zip(hi) {
+                *w = pair(l, h);
+            }
+        } else {
+            for (w, &l) in out.iter_mut().zip(lo) {
+                *w = pair(l, 0);
+            }
+        }
+        i += 2;
+        q += 1;
+    }
+}
+
+/// `src` rounded to `bf16` (nearest even) in pairs: `dst[p]` = `src[2p], src[2p + 1]`, an odd
+/// length padded with zero. `dst` holds at least `src.len().div_ceil(2)` words.
+pub(super) fn narrow_to_pairs(dst: &mut [Bf16Pair], src: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm::bf16_pairs_fast() {
+        assert!(dst.len() >= src.len().div_ceil(2), "narrow_to_pairs: destination too short");
+        // SAFETY: AVX-512F and AVX-512 BF16 are available (checked above); lengths checked.
+        return unsafe { x86::narrow_to_pairs(dst, src) };
+    }
+    for (p, w) in dst[..src.len().div_ceil(2)].iter_mut().enumerate() {
+        let lo = half::bf16::from_f32(src[2 * p]).to_bits();
+        let hi = src.get(2 * p + 1).map_or(0, |&x| half::bf16::from_f32(x).to_bits());
+        *w = pair(lo, hi);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// The first `k` of 16 lanes.
+    fn mask(k: usize) -> __mmask16 {
+        if k >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << k) - 1) as u16
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F and AVX-512 BF16 available; `dst.len() >= src.len().div_ceil(2)`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn narrow_to_pairs(dst: &mut [u32], src: &[f32]) {
+        let n = src.len();
+        let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+        let mut j = 0;
+        while j < n {
+            let w = (n - j).min(32);
+            // SAFETY: loads masked to the `w` valid floats from `j`, the store to the
+            // `w.div_ceil(2)` words from `j / 2` (in bounds by the caller's contract); masked-off
+            // lanes load as 0, so an odd tail is padded with a zero.
+            unsafe {
+                let lo = _mm512_maskz_loadu_ps(mask(w), sp.add(j));
+                let hi = _mm512_maskz_loadu_ps(mask(w.saturating_sub(16)), sp.wrapping_add(j + 16));
+                let bf: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_mask_storeu_epi32(dp.add(j / 2).cast(), mask(w.div_ceil(2)), bf);
+            }
+            j += w;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn narrowing_rounds_to_nearest_even_and_pads_odd_lengths() {
+        let src: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 1.001_23 + 1.0 / 3.0).collect();
+        let mut dst = vec![u32::MAX; 20];
+        narrow_to_pairs(&mut dst, &src);
+        for (i, &x) in src.iter().enumerate() {
+            let half = if i % 2 == 0 { dst[i / 2] & 0xFFFF } else { dst[i / 2] >> 16 };
+            assert_eq!(half as u16, half::bf16::from_f32(x).to_bits(), "element {i}");
+        }
+        assert_eq!(dst[18] >> 16, 0, "odd tail padded with zero");
+        assert_eq!(dst[19], u32::MAX, "nothing written past the pairs");
+    }
+}
