@@ -7,10 +7,10 @@
 //! `forward_into` followed by `backward_into`. Peak extra memory is measured on the warm-up calls
 //! (the forward's, then the backward's alone) with the counting allocator of [`crate::alloc`].
 //!
-//! On `--device cuda` (cuda builds; f16/bf16, forward only) the inputs and outputs are device
-//! buffers made before timing, and each timed call sits between its own pair of CUDA events (see
+//! On `--device cuda` (cuda builds; f16/bf16) the inputs, outputs (and with `--backward` `dout` and
+//! the gradients) are device buffers made before timing, and each timed call sits between its own pair of CUDA events (see
 //! [`crate::gpu`]); the grid is BENCH.md's `gpu` grid and peak memory is not measured
-//! (`peak_extra_bytes` is `null`).
+//! (`peak_extra_bytes` and `bwd_peak_extra_bytes` are `null`).
 //!
 //! `--memory --plot FILE.svg` draws the memory table's measurements as a figure (runtime and peak
 //! extra memory vs N, see [`crate::plot`]); nothing is measured twice.
@@ -202,8 +202,9 @@ struct FwdBwd {
     /// FLOP/s at the median, with FLOPs = 3.5 × forward (BENCH.md).
     gflops: f64,
     /// Peak heap bytes of one backward call beyond what was live before it (its inputs and the
-    /// preallocated gradients not counted): the `f32` dQ accumulator, `D` and scratch.
-    bwd_peak_extra: usize,
+    /// preallocated gradients not counted): the `f32` dQ accumulator, `D` and scratch. `None` on
+    /// cuda (host heap says nothing about device memory).
+    bwd_peak_extra: Option<usize>,
 }
 
 /// Forward+backward FLOPs relative to the forward's (BENCH.md: backward = 2.5 × forward).
@@ -212,12 +213,6 @@ const FWDBWD_FLOPS_FACTOR: f64 = 3.5;
 /// Runs `flash-attn bench`.
 pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     let cuda = args.device == Device::Cuda;
-    if cuda && args.backward {
-        return Err(CliError::new(
-            "`--backward` is not implemented on cuda yet (the CUDA backend runs the forward pass only); \
-             time it with `--device cpu`",
-        ));
-    }
     if cuda && args.memory {
         return Err(CliError::new("the memory table (`--memory`) runs on cpu only"));
     }
@@ -239,7 +234,7 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     for p in &problems {
         progress.set_message(p.label());
         let m = if cuda {
-            measure_cuda(args.dtype, p)?
+            measure_cuda(args.dtype, p, args.backward)?
         } else {
             measure(args.dtype, p, &progress, MIN_RUNS, args.backward)?
         };
@@ -252,7 +247,11 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
             None => row.extend([format!("{:.1}", m.gflops / 1e3), m.runs.to_string()]),
         }
         if let Some(fb) = m.fwdbwd {
-            row.extend([fmt_ms(fb.ms), format!("{:.1}", fb.gflops), fmt_bytes(fb.bwd_peak_extra)]);
+            row.extend([
+                fmt_ms(fb.ms),
+                format!("{:.1}", fb.gflops),
+                fb.bwd_peak_extra.map_or_else(|| "-".to_owned(), fmt_bytes),
+            ]);
         }
         rows.push(row);
         progress.inc();
@@ -420,35 +419,52 @@ fn measure_typed<T: Element>(p: &Problem, progress: &Progress, min_runs: usize, 
             prepared.forward()?;
             prepared.backward(&mut grads)
         })?;
-        Some(FwdBwd { ms, runs, gflops: FWDBWD_FLOPS_FACTOR * flops / (ms * 1e6), bwd_peak_extra })
+        Some(FwdBwd {
+            ms,
+            runs,
+            gflops: FWDBWD_FLOPS_FACTOR * flops / (ms * 1e6),
+            bwd_peak_extra: Some(bwd_peak_extra),
+        })
     } else {
         None
     };
     Ok(Measurement { fwd_ms, runs, gflops: flops / (fwd_ms * 1e6), peak_extra: Some(peak_extra), fwdbwd })
 }
 
-/// The forward of one problem on the GPU (forward only; see [`crate::gpu`]).
-fn measure_cuda(dtype: DType, p: &Problem) -> Result<Measurement> {
+/// The forward (and with `backward` the forward+backward) of one problem on the GPU, event-timed
+/// (see [`crate::gpu`]).
+fn measure_cuda(dtype: DType, p: &Problem, backward: bool) -> Result<Measurement> {
     match dtype {
-        DType::F32 => measure_cuda_typed::<f32>(p),
-        DType::F16 => measure_cuda_typed::<f16>(p),
-        DType::BF16 => measure_cuda_typed::<bf16>(p),
+        DType::F32 => measure_cuda_typed::<f32>(p, backward),
+        DType::F16 => measure_cuda_typed::<f16>(p, backward),
+        DType::BF16 => measure_cuda_typed::<bf16>(p, backward),
     }
 }
 
-fn measure_cuda_typed<T: GpuElement>(p: &Problem) -> Result<Measurement> {
+fn measure_cuda_typed<T: GpuElement>(p: &Problem, backward: bool) -> Result<Measurement> {
     let spec = if p.causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
     let shapes = p.shape.qkv().map(|s| s.to_vec());
     let timing = T::time_forward(&spec, &shapes, MIN_RUNS)?;
     let Shape { b, hq, sq, sk, d, .. } = p.shape;
     // FlashAttention's count (as `Geometry::flops` for fixed-length problems).
     let flops = 4.0 * b as f64 * hq as f64 * sq as f64 * sk as f64 * d as f64 / if p.causal { 2.0 } else { 1.0 };
+    let fwdbwd = if backward {
+        let t = T::time_forward_backward(&spec, &shapes, MIN_RUNS)?;
+        Some(FwdBwd {
+            ms: t.ms,
+            runs: t.runs,
+            gflops: FWDBWD_FLOPS_FACTOR * flops / (t.ms * 1e6),
+            bwd_peak_extra: None,
+        })
+    } else {
+        None
+    };
     Ok(Measurement {
         fwd_ms: timing.ms,
         runs: timing.runs,
         gflops: flops / (timing.ms * 1e6),
         peak_extra: None,
-        fwdbwd: None,
+        fwdbwd,
     })
 }
 
@@ -552,7 +568,7 @@ fn json_line(device: Device, dtype: DType, p: &Problem, m: &Measurement) -> Stri
             ",\"fwdbwd_ms\":{},\"fwdbwd_gflops\":{},\"bwd_peak_extra_bytes\":{},\"fwdbwd_runs\":{}",
             json_number(fb.ms),
             json_number(fb.gflops),
-            fb.bwd_peak_extra,
+            fb.bwd_peak_extra.map_or_else(|| "null".to_owned(), |b| b.to_string()),
             fb.runs
         ),
         None => String::new(),
@@ -728,7 +744,7 @@ mod tests {
     #[test]
     fn json_line_with_backward_adds_fwdbwd_and_stays_one_object() {
         let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: false };
-        let fwdbwd = Some(FwdBwd { ms: 4.25, runs: 5, gflops: 12.5, bwd_peak_extra: 4096 });
+        let fwdbwd = Some(FwdBwd { ms: 4.25, runs: 5, gflops: 12.5, bwd_peak_extra: Some(4096) });
         let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: 3.0, peak_extra: Some(42), fwdbwd };
         let line = json_line(Device::Cpu, DType::F32, &p, &m);
         assert!(line.contains("\"fwd_ms\":1.500000,"), "{line}");

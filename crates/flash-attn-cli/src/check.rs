@@ -52,11 +52,11 @@ pub fn main(args: &CheckArgs) -> Result<ExitCode> {
     let cuda = args.device == Device::Cuda;
     if let Some(name) = gpu_name {
         println!(
-            "cuda: {name}; forward pass only, cases restricted to what the CUDA backend supports \
+            "cuda: {name}; cases restricted to what the CUDA backend supports \
              (f16/bf16, d = dv in {{64, 128}}, no softcap, ALiBi or block mask)"
         );
     }
-    let forward_only = args.forward_only || cuda;
+    let forward_only = args.forward_only;
     let mut rng = Rng::new(args.seed);
     let progress = Progress::bar(args.cases as u64, "check");
     let (mut passed, mut failed) = (0usize, 0usize);
@@ -71,7 +71,12 @@ pub fn main(args: &CheckArgs) -> Result<ExitCode> {
             Err(e) => failures.push(format!("forward: error: {e}")),
         }
         if !forward_only {
-            match case.run_cpu_backward(dropout) {
+            let backward = if cuda {
+                gpu::run_case_backward(&case, dropout)
+            } else {
+                case.run_cpu_backward(dropout).map_err(Into::into)
+            };
+            match backward {
                 Ok(report) if report.passed() => {}
                 Ok(report) => failures.push(format!("backward: {report}")),
                 Err(e) => failures.push(format!("backward: error: {e}")),

@@ -1,13 +1,13 @@
-//! The CLI's side of the CUDA backend (cargo feature `cuda`): opening the GPU, the forward pass of
-//! `run` and `check`, the event-timed forward of `bench`, and compiling every kernel variant for
-//! `kernels --compile-all`.
+//! The CLI's side of the CUDA backend (cargo feature `cuda`): opening the GPU, the forward and
+//! backward passes of `run` and `check`, the event-timed forward (and forward+backward) of `bench`,
+//! and compiling every kernel variant for `kernels --compile-all`.
 //!
 //! Without the feature every entry point returns [`not_built`], so the subcommands need no `cfg` of
 //! their own. Everything about attention stays in the library (`flash_attn::cuda`); this module only
 //! moves buffers and reads the clock.
 
-use flash_attn::check::{Case, CaseReport};
-use flash_attn::{AttentionSpec, Element, Output, Tensor};
+use flash_attn::check::{BackwardReport, Case, CaseReport};
+use flash_attn::{AttentionSpec, Dropout, Element, Gradients, Output, Tensor};
 
 use crate::{CliError, Result};
 
@@ -16,10 +16,10 @@ pub fn not_built() -> CliError {
     CliError::new("the cuda backend is not available in this build (feature `cuda`)")
 }
 
-/// The median of event-timed forward calls on the GPU.
+/// The median of event-timed calls on the GPU.
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
-    /// Median time of one forward call, in ms.
+    /// Median time of one call (a forward, or a forward plus a backward), in ms.
     pub ms: f64,
     /// Timed runs behind the median.
     pub runs: usize,
@@ -55,6 +55,21 @@ pub trait GpuElement: Element {
     /// and outputs on the device before timing, a warm-up, then at least `min_runs` calls each
     /// between a pair of CUDA events.
     fn time_forward(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing>;
+
+    /// The backward pass on GPU 0 for host tensors (`flash_attn::cuda::backward_host`).
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        spec: &AttentionSpec<'_>,
+        q: &Tensor<'_, Self>,
+        k: &Tensor<'_, Self>,
+        v: &Tensor<'_, Self>,
+        out: &Tensor<'_, Self>,
+        lse: &[f32],
+        dout: &Tensor<'_, Self>,
+    ) -> Result<Gradients<Self>>;
+
+    /// As [`GpuElement::time_forward`], each timed call one forward followed by one backward.
+    fn time_forward_backward(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing>;
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -66,6 +81,10 @@ mod imp {
     }
 
     pub fn run_case(_case: &Case) -> Result<CaseReport> {
+        Err(not_built())
+    }
+
+    pub fn run_case_backward(_case: &Case, _dropout: Option<Dropout>) -> Result<BackwardReport> {
         Err(not_built())
     }
 
@@ -84,6 +103,22 @@ mod imp {
                 fn time_forward(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
                     Err(not_built())
                 }
+
+                fn backward(
+                    _: &AttentionSpec<'_>,
+                    _: &Tensor<'_, Self>,
+                    _: &Tensor<'_, Self>,
+                    _: &Tensor<'_, Self>,
+                    _: &Tensor<'_, Self>,
+                    _: &[f32],
+                    _: &Tensor<'_, Self>,
+                ) -> Result<Gradients<Self>> {
+                    Err(not_built())
+                }
+
+                fn time_forward_backward(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
+                    Err(not_built())
+                }
             }
         )*};
     }
@@ -94,7 +129,7 @@ mod imp {
 mod imp {
     use cudarc::driver::sys::{CUevent_flags, CUresult};
     use cudarc::driver::DriverError;
-    use flash_attn::check::{report, Rng};
+    use flash_attn::check::{compare_gradients, report, Rng};
     use flash_attn::cuda::{self, Arch, CudaElement, DeviceTensor, DeviceTensorMut};
     use flash_attn::{reference, DType};
     use half::{bf16, f16};
@@ -148,6 +183,31 @@ mod imp {
         Ok(report(&ours.out, &ours.lse, &oracle, &naive, case.dtype))
     }
 
+    /// The backward pass of one random case on the GPU (after its forward there, with `dropout`
+    /// if given), compared with the f64 oracle under the numerics contract.
+    pub fn run_case_backward(case: &Case, dropout: Option<Dropout>) -> Result<BackwardReport> {
+        match case.dtype {
+            DType::BF16 => run_case_backward_typed::<bf16>(case, dropout),
+            DType::F16 => run_case_backward_typed::<f16>(case, dropout),
+            DType::F32 => Err(f32_unsupported()),
+        }
+    }
+
+    fn run_case_backward_typed<T: CudaElement>(case: &Case, dropout: Option<Dropout>) -> Result<BackwardReport> {
+        let data = case.data::<T>();
+        let mut spec = case.spec(&data);
+        if let Some(d) = dropout {
+            spec = spec.dropout(d.p, d.seed, d.offset);
+        }
+        let [q, k, v] = data.views();
+        let (dout, dout_shape) = case.dout(&data)?;
+        let dout = Tensor::new(&dout, &dout_shape);
+        let fwd = cuda::forward_host(&spec, &q, &k, &v)?;
+        let out = Tensor::new(&fwd.out, &fwd.out_shape);
+        let grads = cuda::backward_host(&spec, &q, &k, &v, &out, &fwd.lse, &dout)?;
+        Ok(compare_gradients(&spec, &grads, &data, &dout, case.dtype)?)
+    }
+
     /// Compiles every kernel variant for each of `archs` with NVRTC (no GPU needed).
     pub fn compile_all(archs: &[String]) -> Result<Vec<Compiled>> {
         let archs: Vec<Arch> = archs.iter().map(|a| Arch(a.clone())).collect();
@@ -165,8 +225,7 @@ mod imp {
 
     /// The library's answer to f32 on the GPU (f32 is no [`CudaElement`], so the CLI says it).
     fn f32_unsupported() -> CliError {
-        flash_attn::Error::Unsupported("the CUDA forward does not support f32 inputs (use f16 or bf16) yet".into())
-            .into()
+        flash_attn::Error::Unsupported("the CUDA kernels do not support f32 inputs (use f16 or bf16) yet".into()).into()
     }
 
     /// `n` values cycling through [`POOL`] standard normal ones: random data (never zeros) made
@@ -180,10 +239,13 @@ mod imp {
         Ok(buf)
     }
 
-    fn time_forward_typed<T: CudaElement>(
+    /// Times forward calls, or with `backward` forward+backward calls (gradients into buffers
+    /// made before timing, `dout` random).
+    fn time_typed<T: CudaElement>(
         spec: &AttentionSpec<'_>,
         shapes: &[Vec<usize>; 3],
         min_runs: usize,
+        backward: bool,
     ) -> Result<Timing> {
         // Shapes and options are checked on the host first, with zero-sized stand-ins.
         let numel = |s: &[usize]| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
@@ -210,15 +272,32 @@ mod imp {
         let v = dev.upload(&filled::<T>("v", lens[2], &mut rng)?)?;
         let mut out = stream.alloc_zeros::<T>(out_len.max(1)).map_err(driver("allocation of `out`"))?;
         let mut lse = stream.alloc_zeros::<f32>(lse_len.max(1)).map_err(driver("allocation of `lse`"))?;
+        let (dout, mut grads) = if backward {
+            let dout = dev.upload(&filled::<T>("dout", out_len, &mut rng)?)?;
+            let alloc = |n: usize| stream.alloc_zeros::<T>(n.max(1)).map_err(driver("allocation of a gradient"));
+            (Some(dout), Some([alloc(lens[0])?, alloc(lens[1])?, alloc(lens[2])?]))
+        } else {
+            (None, None)
+        };
         let mut call = || -> Result<()> {
             let (qt, kt, vt) = (
                 DeviceTensor::new(q.as_view(), &shapes[0]),
                 DeviceTensor::new(k.as_view(), &shapes[1]),
                 DeviceTensor::new(v.as_view(), &shapes[2]),
             );
-            let mut ot = DeviceTensorMut::new(out.slice_mut(0..out_len), &out_shape);
-            let mut lt = lse.slice_mut(0..lse_len);
-            dev.forward(spec, &qt, &kt, &vt, &mut ot, &mut lt)?;
+            {
+                let mut ot = DeviceTensorMut::new(out.slice_mut(0..out_len), &out_shape);
+                let mut lt = lse.slice_mut(0..lse_len);
+                dev.forward(spec, &qt, &kt, &vt, &mut ot, &mut lt)?;
+            }
+            if let (Some(dout), Some([gq, gk, gv])) = (&dout, &mut grads) {
+                let ot = DeviceTensor::new(out.slice(0..out_len), &out_shape);
+                let dot = DeviceTensor::new(dout.slice(0..out_len), &out_shape);
+                let mut dq = DeviceTensorMut::new(gq.slice_mut(0..lens[0]), &shapes[0]);
+                let mut dk = DeviceTensorMut::new(gk.slice_mut(0..lens[1]), &shapes[1]);
+                let mut dv = DeviceTensorMut::new(gv.slice_mut(0..lens[2]), &shapes[2]);
+                dev.backward(spec, &qt, &kt, &vt, &ot, &lse.slice(0..lse_len), &dot, &mut dq, &mut dk, &mut dv)?;
+            }
             Ok(())
         };
 
@@ -265,7 +344,27 @@ mod imp {
                 }
 
                 fn time_forward(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing> {
-                    time_forward_typed::<$t>(spec, shapes, min_runs)
+                    time_typed::<$t>(spec, shapes, min_runs, false)
+                }
+
+                fn backward(
+                    spec: &AttentionSpec<'_>,
+                    q: &Tensor<'_, Self>,
+                    k: &Tensor<'_, Self>,
+                    v: &Tensor<'_, Self>,
+                    out: &Tensor<'_, Self>,
+                    lse: &[f32],
+                    dout: &Tensor<'_, Self>,
+                ) -> Result<Gradients<Self>> {
+                    Ok(cuda::backward_host(spec, q, k, v, out, lse, dout)?)
+                }
+
+                fn time_forward_backward(
+                    spec: &AttentionSpec<'_>,
+                    shapes: &[Vec<usize>; 3],
+                    min_runs: usize,
+                ) -> Result<Timing> {
+                    time_typed::<$t>(spec, shapes, min_runs, true)
                 }
             }
         )*};
@@ -285,7 +384,23 @@ mod imp {
         fn time_forward(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
             Err(f32_unsupported())
         }
+
+        fn backward(
+            _: &AttentionSpec<'_>,
+            _: &Tensor<'_, Self>,
+            _: &Tensor<'_, Self>,
+            _: &Tensor<'_, Self>,
+            _: &Tensor<'_, Self>,
+            _: &[f32],
+            _: &Tensor<'_, Self>,
+        ) -> Result<Gradients<Self>> {
+            Err(f32_unsupported())
+        }
+
+        fn time_forward_backward(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
+            Err(f32_unsupported())
+        }
     }
 }
 
-pub use imp::{compile_all, open, run_case};
+pub use imp::{compile_all, open, run_case, run_case_backward};

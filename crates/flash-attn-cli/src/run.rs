@@ -89,12 +89,6 @@ where
 
 /// Runs `flash-attn run`.
 pub fn main(args: &RunArgs) -> Result<ExitCode> {
-    if args.device == Device::Cuda && args.backward {
-        return Err(CliError::new(
-            "`--backward` is not implemented on cuda yet (the CUDA backend runs the forward pass only); \
-             use `--device cpu`",
-        ));
-    }
     args.device.ensure_available()?;
     let dropout = dropout_setting(args)?;
     let _spinner = Progress::spinner(if args.backward { "attention forward + backward" } else { "attention" });
@@ -326,21 +320,30 @@ fn attend_typed<T: GpuElement + LeScalar>(
 
     if let Some(dout) = &dout {
         // The gradients have the shapes of the (contiguous) inputs.
-        let mut dq = zeroed::<T>("dq", q.shape())?;
-        let mut dk = zeroed::<T>("dk", k.shape())?;
-        let mut dv = zeroed::<T>("dv", v.shape())?;
-        flash_attn::backward_into(
-            &spec,
-            &q,
-            &k,
-            &v,
-            &Tensor::new(&out, &out_shape),
-            &lse,
-            &dout.view(),
-            &mut TensorMut::new(&mut dq, q.shape()),
-            &mut TensorMut::new(&mut dk, k.shape()),
-            &mut TensorMut::new(&mut dv, v.shape()),
-        )?;
+        let (dq, dk, dv) = match args.device {
+            Device::Cpu => {
+                let mut dq = zeroed::<T>("dq", q.shape())?;
+                let mut dk = zeroed::<T>("dk", k.shape())?;
+                let mut dv = zeroed::<T>("dv", v.shape())?;
+                flash_attn::backward_into(
+                    &spec,
+                    &q,
+                    &k,
+                    &v,
+                    &Tensor::new(&out, &out_shape),
+                    &lse,
+                    &dout.view(),
+                    &mut TensorMut::new(&mut dq, q.shape()),
+                    &mut TensorMut::new(&mut dk, k.shape()),
+                    &mut TensorMut::new(&mut dv, v.shape()),
+                )?;
+                (dq, dk, dv)
+            }
+            Device::Cuda => {
+                let g = T::backward(&spec, &q, &k, &v, &Tensor::new(&out, &out_shape), &lse, &dout.view())?;
+                (g.dq, g.dk, g.dv)
+            }
+        };
         outputs.extend([
             ("dq", OwnedTensor::encode(&dq, q.shape())),
             ("dk", OwnedTensor::encode(&dk, k.shape())),

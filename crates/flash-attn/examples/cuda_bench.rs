@@ -1,18 +1,21 @@
-//! Device-side check and benchmark of the CUDA forward.
+//! Device-side check and benchmark of the CUDA forward and backward.
 //!
 //! ```text
 //! cuda_bench compile [sm_80,sm_90a]        compile every variant, print registers / spills
 //! cuda_bench check [CASES] [SEED]          random cases vs the f64 oracle (numerics contract)
 //! cuda_bench bench [--variants all] [--dtypes bf16,f16] [--causal both] [--d 64,128] [--reps N]
-//!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048
-//! cuda_bench sanitize                      a few small launches, for compute-sanitizer
+//!                  [--pass fwd|bwd] [--deterministic]
+//!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048; `bwd`
+//!                                          times the backward pass alone (FLOPs 2.5 × forward)
+//! cuda_bench sanitize                      a few small forward and backward launches (dropout,
+//!                                          deterministic), for compute-sanitizer
 //! ```
 //! Benchmark lines are JSON in BENCH.md's contract (`device, dtype, b, hq, hk, sq, sk, d, causal,
 //! fwd_ms`) plus `tflops` and `variant`; times are medians of CUDA-event-timed runs after a
 //! warm-up, on inputs drawn from a normal distribution.
 
-use flash_attn::check::{report, Case, CaseData, Rng, Storage};
-use flash_attn::cuda::{self, Arch, DeviceTensor, DeviceTensorMut, Variant};
+use flash_attn::check::{compare_gradients, report, Case, CaseData, Rng, Storage};
+use flash_attn::cuda::{self, Arch, BwdVariant, DeviceTensor, DeviceTensorMut, Variant};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Result};
 use half::{bf16, f16};
 
@@ -153,6 +156,27 @@ fn sanitize() -> Result<()> {
         c.window = None;
         let rep = run_case::<bf16>(&c)?;
         println!("sanitize case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
+        for (dropout, deterministic) in [(None, false), (Some((0.3f32, 99u64, 5u32)), true)] {
+            let data = c.data::<bf16>();
+            let mut spec = c.spec(&data);
+            if let Some((p, seed, offset)) = dropout {
+                spec = spec.dropout(p, seed, offset);
+            }
+            if deterministic {
+                spec = spec.deterministic();
+            }
+            let [q, k, v] = data.views();
+            let (dout, dout_shape) = c.dout(&data)?;
+            let dout = flash_attn::Tensor::new(&dout, &dout_shape);
+            let fwd = cuda::forward_host(&spec, &q, &k, &v)?;
+            let out = flash_attn::Tensor::new(&fwd.out, &fwd.out_shape);
+            let grads = cuda::backward_host(&spec, &q, &k, &v, &out, &fwd.lse, &dout)?;
+            let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype)?;
+            println!(
+                "sanitize case {i} backward (dropout {dropout:?}, deterministic {deterministic}): {}",
+                if rep.passed() { "pass".to_string() } else { format!("FAIL {rep}") }
+            );
+        }
     }
     Ok(())
 }
@@ -173,6 +197,8 @@ fn bench(args: &[String]) -> Result<()> {
         arg(args, "--seqs", "512,1024,2048,4096,8192,16384").split(',').filter_map(|s| s.parse().ok()).collect();
     let reps: usize = arg(args, "--reps", "20").parse().unwrap_or(20);
     let all_variants = arg(args, "--variants", "default") == "all";
+    let bwd = arg(args, "--pass", "fwd") == "bwd";
+    let deterministic = args.iter().any(|a| a == "--deterministic");
     for dt in dtypes.split(',') {
         let dtype: DType = dt.parse().map_err(flash_attn::Error::Unsupported)?;
         for &d in &dims {
@@ -181,8 +207,22 @@ fn bench(args: &[String]) -> Result<()> {
             } else {
                 vec![None]
             };
+            let bwd_variants: Vec<Option<BwdVariant>> = if all_variants {
+                BwdVariant::all().into_iter().filter(|v| v.dtype == dtype && v.d == d).map(Some).collect()
+            } else {
+                vec![None]
+            };
             for &s in &seqs {
                 for &causal in &causals {
+                    if bwd {
+                        for &variant in &bwd_variants {
+                            match dtype {
+                                DType::BF16 => bench_bwd::<bf16>(s, d, causal, variant, reps, deterministic)?,
+                                _ => bench_bwd::<f16>(s, d, causal, variant, reps, deterministic)?,
+                            }
+                        }
+                        continue;
+                    }
                     for &variant in &variants {
                         match dtype {
                             DType::BF16 => bench_one::<bf16>(s, d, causal, variant, reps)?,
@@ -249,6 +289,88 @@ fn bench_one<T: cuda::CudaElement>(
     let name = variant.or_else(|| Variant::default_for(T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
     println!(
         "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"hk\":{hk},\"sq\":{s},\"sk\":{s},\"d\":{d},\"causal\":{causal},\"fwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"}}",
+        T::DTYPE,
+        flops / ms / 1e9
+    );
+    Ok(())
+}
+
+/// The backward pass alone (after one forward), timed like `bench_one`.
+fn bench_bwd<T: cuda::CudaElement>(
+    s: usize,
+    d: usize,
+    causal: bool,
+    variant: Option<BwdVariant>,
+    reps: usize,
+    deterministic: bool,
+) -> Result<()> {
+    let dev = cuda::default_device()?;
+    let (b, hq) = (16384 / s, 2048 / d);
+    let n = b * s * hq * d;
+    let mut rng = Rng::new(s as u64 * 37 + d as u64);
+    let host: Vec<T> = (0..n).map(|_| T::from_f64(rng.normal())).collect();
+    let de = |e| flash_attn::Error::CudaLaunch(format!("{e:?}"));
+    let rot = |by: usize| host[by..].iter().chain(&host[..by]).copied().collect::<Vec<_>>();
+    let q = dev.upload(&host)?;
+    let k = dev.upload(&rot(n / 3))?;
+    let v = dev.upload(&rot(n / 2))?;
+    let dout = dev.upload(&rot(n / 5))?;
+    let stream = dev.stream();
+    let mut out = stream.alloc_zeros::<T>(n).map_err(de)?;
+    let mut lse = stream.alloc_zeros::<f32>(b * hq * s).map_err(de)?;
+    let (mut dq, mut dk, mut dv) = (
+        stream.alloc_zeros::<T>(n).map_err(de)?,
+        stream.alloc_zeros::<T>(n).map_err(de)?,
+        stream.alloc_zeros::<T>(n).map_err(de)?,
+    );
+    let shape = [b, s, hq, d];
+    let mut spec = if causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    if deterministic {
+        spec = spec.deterministic();
+    }
+    {
+        let (qt, kt, vt) = (
+            DeviceTensor::new(q.as_view(), &shape),
+            DeviceTensor::new(k.as_view(), &shape),
+            DeviceTensor::new(v.as_view(), &shape),
+        );
+        let mut ot = DeviceTensorMut::new(out.as_view_mut(), &shape);
+        let mut lv = lse.as_view_mut();
+        dev.forward(&spec, &qt, &kt, &vt, &mut ot, &mut lv)?;
+    }
+    let mut run = || -> Result<()> {
+        let (qt, kt, vt) = (
+            DeviceTensor::new(q.as_view(), &shape),
+            DeviceTensor::new(k.as_view(), &shape),
+            DeviceTensor::new(v.as_view(), &shape),
+        );
+        let (ot, dot) = (DeviceTensor::new(out.as_view(), &shape), DeviceTensor::new(dout.as_view(), &shape));
+        let mut gq = DeviceTensorMut::new(dq.as_view_mut(), &shape);
+        let mut gk = DeviceTensorMut::new(dk.as_view_mut(), &shape);
+        let mut gv = DeviceTensorMut::new(dv.as_view_mut(), &shape);
+        dev.backward_variant(&spec, &qt, &kt, &vt, &ot, &lse.as_view(), &dot, &mut gq, &mut gk, &mut gv, variant)
+    };
+    for _ in 0..3 {
+        run()?;
+    }
+    stream.synchronize().map_err(de)?;
+    let ctx = dev.context();
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(de)?;
+        let end = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(de)?;
+        start.record(stream).map_err(de)?;
+        run()?;
+        end.record(stream).map_err(de)?;
+        end.synchronize().map_err(de)?;
+        times.push(start.elapsed_ms(&end).map_err(de)? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    let ms = times[times.len() / 2];
+    let flops = 2.5 * 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+    let name = variant.or_else(|| BwdVariant::default_for(T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
+    println!(
+        "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"sq\":{s},\"d\":{d},\"causal\":{causal},\"deterministic\":{deterministic},\"bwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"}}",
         T::DTYPE,
         flops / ms / 1e9
     );

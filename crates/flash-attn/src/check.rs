@@ -534,16 +534,29 @@ impl Case {
         let dout = Tensor::new(&dout, &dout_shape);
         let saved = crate::forward_train(&spec, &q, &k, &v)?;
         let grads = saved.backward(&spec, &q, &k, &v, &dout)?;
-        let oracle = reference::backward(&spec, &q, &k, &v, &dout)?;
-        let naive = reference::naive_backward(&spec, &q, &k, &v, &dout)?;
-        let widen = |x: &[T]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
-        let m = max_abs(&oracle.dq).max(max_abs(&oracle.dk)).max(max_abs(&oracle.dv));
-        Ok(BackwardReport {
-            dq: compare_gradient(&widen(&grads.dq), &oracle.dq, &naive.dq, self.dtype, m),
-            dk: compare_gradient(&widen(&grads.dk), &oracle.dk, &naive.dk, self.dtype, m),
-            dv: compare_gradient(&widen(&grads.dv), &oracle.dv, &naive.dv, self.dtype, m),
-        })
+        compare_gradients(&spec, &grads, &data, &dout, self.dtype)
     }
+}
+
+/// Compares a backend's gradients for `spec` on `data` and `dout` with the oracle's under the
+/// numerics contract (the gradient floor scaled by the largest oracle gradient of the three).
+pub fn compare_gradients<T: Element>(
+    spec: &AttentionSpec<'_>,
+    grads: &crate::Gradients<T>,
+    data: &CaseData<T>,
+    dout: &Tensor<'_, T>,
+    dtype: DType,
+) -> Result<BackwardReport> {
+    let [q, k, v] = data.views();
+    let oracle = reference::backward(spec, &q, &k, &v, dout)?;
+    let naive = reference::naive_backward(spec, &q, &k, &v, dout)?;
+    let widen = |x: &[T]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
+    let m = max_abs(&oracle.dq).max(max_abs(&oracle.dk)).max(max_abs(&oracle.dv));
+    Ok(BackwardReport {
+        dq: compare_gradient(&widen(&grads.dq), &oracle.dq, &naive.dq, dtype, m),
+        dk: compare_gradient(&widen(&grads.dk), &oracle.dk, &naive.dk, dtype, m),
+        dv: compare_gradient(&widen(&grads.dv), &oracle.dv, &naive.dv, dtype, m),
+    })
 }
 
 /// Compares a backend's `out` and `lse` with the oracle and `naive_T`.

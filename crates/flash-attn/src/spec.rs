@@ -63,6 +63,7 @@ pub struct AttentionSpec<'a> {
     pub(crate) block_mask: Option<BlockMask<'a>>,
     pub(crate) varlen: Option<(&'a [i32], &'a [i32])>,
     pub(crate) dropout: Option<Dropout>,
+    pub(crate) deterministic: bool,
 }
 
 impl<'a> AttentionSpec<'a> {
@@ -141,6 +142,22 @@ impl<'a> AttentionSpec<'a> {
     pub fn dropout(mut self, p: f32, seed: u64, offset: u32) -> Self {
         self.dropout = Some(Dropout { p, seed, offset });
         self
+    }
+
+    /// Asks for bitwise-reproducible results: the same inputs give the same bits on every run.
+    ///
+    /// The CPU backend always is (whatever the thread count). The CUDA backward pass by default
+    /// adds the `dq` contributions of key tiles with atomics in whatever order they finish; with
+    /// this flag it adds them in key-tile order instead (slower when few heads share the GPU).
+    #[must_use]
+    pub fn deterministic(mut self) -> Self {
+        self.deterministic = true;
+        self
+    }
+
+    /// Whether [`deterministic`](Self::deterministic) was asked for.
+    pub fn is_deterministic(&self) -> bool {
+        self.deterministic
     }
 
     /// The dropout setting, if any.

@@ -2,7 +2,7 @@
 //! checking that the absence is reported as an error, not a panic.
 #![cfg(feature = "cuda")]
 
-use flash_attn::check::{report, Case, Rng, Storage};
+use flash_attn::check::{compare_gradients, report, Case, Rng, Storage};
 use flash_attn::cuda::{self, Arch};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Error, Tensor};
 use half::bf16;
@@ -92,5 +92,139 @@ fn fully_masked_rows_give_zero_output_and_neg_inf_lse() {
             assert_eq!(res.lse[hh * sq + i], f32::NEG_INFINITY);
             assert!(res.out[(i * h + hh) * d..][..d].iter().all(|x| x.to_f32() == 0.0));
         }
+    }
+}
+
+/// A random case inside what the CUDA kernels support, about a third with sequences long enough
+/// for several query and key tiles and ragged tails.
+fn random_cuda_case(rng: &mut Rng) -> Case {
+    let mut c = Case::random(rng);
+    c.dtype = rng.pick(&[DType::BF16, DType::F16]);
+    c.d = rng.pick(&[64, 128]);
+    c.dv = c.d;
+    (c.softcap, c.alibi, c.block) = (None, None, None);
+    if let Storage::Strided { .. } = c.storage {
+        c.storage = Storage::Strided { pad: 8 };
+    }
+    if rng.chance(0.3) {
+        for s in c.seqlens.iter_mut() {
+            *s = (rng.range(0, 300), rng.range(0, 300));
+        }
+        if !c.varlen {
+            // A fixed-length batch has one length pair.
+            if let Some(&first) = c.seqlens.first() {
+                c.seqlens.iter_mut().for_each(|s| *s = first);
+            }
+        }
+    }
+    c
+}
+
+fn backward_case<T: flash_attn::cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>) {
+    let data = c.data::<T>();
+    let mut spec = c.spec(&data);
+    if let Some((p, seed, offset)) = dropout {
+        spec = spec.dropout(p, seed, offset);
+    }
+    let [q, k, v] = data.views();
+    let (dout, dout_shape) = c.dout(&data).expect("dout");
+    let dout = Tensor::new(&dout, &dout_shape);
+    let fwd = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
+    let out = Tensor::new(&fwd.out, &fwd.out_shape);
+    let grads = cuda::backward_host(&spec, &q, &k, &v, &out, &fwd.lse, &dout).expect("cuda backward");
+    let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype).expect("oracle");
+    assert!(rep.passed(), "{c} dropout {dropout:?}: {rep}");
+}
+
+#[test]
+fn backward_meets_the_numerics_contract_on_random_cases() {
+    if cuda::default_device().is_err() {
+        return;
+    }
+    let mut rng = Rng::new(17);
+    for n in 0..40 {
+        let c = random_cuda_case(&mut rng);
+        let dropout = (n % 3 == 0).then(|| (rng.pick(&[0.1f32, 0.3, 0.5]), rng.next_u64(), rng.next_u64() as u32));
+        match c.dtype {
+            DType::BF16 => backward_case::<bf16>(&c, dropout),
+            _ => backward_case::<half::f16>(&c, dropout),
+        }
+    }
+}
+
+/// The GPU draws the CPU's keep mask, bit for bit, in the forward (read off `out` with V = I:
+/// `out[i, j] = P'[i, j]`, zero exactly where dropped) and in the backward (read off `dv` with
+/// dO = I: `dv[j, i] = P'[i, j]`), across sequences (varlen), heads and offsets.
+#[test]
+fn dropout_keep_mask_is_bit_identical_to_the_cpu() {
+    if cuda::default_device().is_err() {
+        return;
+    }
+    let (h, d) = (3, 64);
+    let lens = [64usize, 64];
+    let cu = [0i32, 64, 128];
+    let t = 128;
+    let mut rng = Rng::new(5);
+    let q: Vec<bf16> = (0..t * h * d).map(|_| bf16::from_f64(0.5 * rng.normal())).collect();
+    let k: Vec<bf16> = (0..t * h * d).map(|_| bf16::from_f64(0.5 * rng.normal())).collect();
+    // Row j of each sequence is the unit vector e_j (per head).
+    let eye: Vec<bf16> =
+        (0..t * h * d).map(|x| bf16::from_f32(f32::from(u8::from((x / (h * d)) % 64 == x % d)))).collect();
+    for (p, seed, offset) in [(0.3f32, 42u64, 0u32), (0.5, 0xDEAD_BEEF_0123_4567, 7), (0.1, 1, u32::MAX)] {
+        let spec = AttentionSpec::new().varlen(&cu, &cu).dropout(p, seed, offset);
+        let (qt, kt, vt) = (Tensor::new(&q, &[t, h, d]), Tensor::new(&k, &[t, h, d]), Tensor::new(&eye, &[t, h, d]));
+        let fwd = cuda::forward_host(&spec, &qt, &kt, &vt).expect("cuda forward");
+        let out = Tensor::new(&fwd.out, &fwd.out_shape);
+        let grads = cuda::backward_host(&spec, &qt, &kt, &vt, &out, &fwd.lse, &vt).expect("cuda backward");
+        let rng = flash_attn::philox::DropoutRng::new(p, seed, offset);
+        let mut mismatches = (0, 0);
+        for (b, &len) in lens.iter().enumerate() {
+            for hh in 0..h {
+                for i in 0..len {
+                    for j in 0..len {
+                        let keep = rng.keep(b as u32, hh as u32, h as u32, i as u32, j as u32);
+                        let o = fwd.out[((64 * b + i) * h + hh) * d + j].to_f32();
+                        let g = grads.dv[((64 * b + j) * h + hh) * d + i].to_f32();
+                        mismatches.0 += usize::from(keep != (o != 0.0));
+                        mismatches.1 += usize::from(keep != (g != 0.0));
+                    }
+                }
+            }
+        }
+        assert_eq!(mismatches, (0, 0), "p {p} seed {seed} offset {offset}: (forward, backward) mismatches");
+    }
+}
+
+/// With `deterministic()`, repeated backward passes give the same bits (many key tiles add into
+/// each dQ tile, GQA and causal included); the result also meets the contract.
+#[test]
+fn deterministic_backward_is_bitwise_reproducible() {
+    if cuda::default_device().is_err() {
+        return;
+    }
+    let mut rng = Rng::new(23);
+    let (b, hq, hk, s, d) = (2, 4, 2, 700, 64);
+    let mut r = |n: usize| (0..n).map(|_| bf16::from_f64(rng.normal())).collect::<Vec<_>>();
+    let (q, k, v, dout) = (r(b * s * hq * d), r(b * s * hk * d), r(b * s * hk * d), r(b * s * hq * d));
+    for spec in [AttentionSpec::new().deterministic(), AttentionSpec::new().causal().deterministic()] {
+        let (qt, kt, vt) =
+            (Tensor::new(&q, &[b, s, hq, d]), Tensor::new(&k, &[b, s, hk, d]), Tensor::new(&v, &[b, s, hk, d]));
+        let fwd = cuda::forward_host(&spec, &qt, &kt, &vt).expect("cuda forward");
+        let out = Tensor::new(&fwd.out, &fwd.out_shape);
+        let dot = Tensor::new(&dout, &fwd.out_shape);
+        let first = cuda::backward_host(&spec, &qt, &kt, &vt, &out, &fwd.lse, &dot).expect("cuda backward");
+        for _ in 0..3 {
+            let again = cuda::backward_host(&spec, &qt, &kt, &vt, &out, &fwd.lse, &dot).expect("cuda backward");
+            let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&again.dq) == bits(&first.dq), "dq differs between runs");
+            assert!(bits(&again.dk) == bits(&first.dk) && bits(&again.dv) == bits(&first.dv));
+        }
+        let oracle = reference::backward(&spec, &qt, &kt, &vt, &dot).expect("oracle");
+        let naive = reference::naive_backward(&spec, &qt, &kt, &vt, &dot).expect("naive");
+        let widen = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
+        let m = flash_attn::check::max_abs(&oracle.dq).max(flash_attn::check::max_abs(&oracle.dk));
+        let m = m.max(flash_attn::check::max_abs(&oracle.dv));
+        let cmp = flash_attn::check::compare_gradient(&widen(&first.dq), &oracle.dq, &naive.dq, DType::BF16, m);
+        assert!(cmp.passed(), "dq: {cmp}");
     }
 }

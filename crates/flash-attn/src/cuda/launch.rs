@@ -1,12 +1,15 @@
 //! From a validated [`Geometry`] to one kernel launch: what the kernels support, the parameter
 //! block, the grid.
 
-use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
-use super::{driver_error, CudaElement, Device, DeviceTensor, DeviceTensorMut, Variant};
+use super::{driver_error, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut, Variant, HEAD_DIMS};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::spec::{AttentionSpec, Causal, Geometry, RowLayout};
+use crate::philox::DropoutRng;
+use crate::spec::{Causal, Geometry, RowLayout};
 
 /// The kernel parameters; field for field `FwdParams` in `kernels/flash_fwd.cuh`.
 #[repr(C)]
@@ -44,14 +47,85 @@ struct FwdParams {
     window_right: i32,
     scale_log2: f32,
     longest_first: i32,
+    dropout: DropoutParams,
+}
+
+/// The backward kernels' parameters; field for field `BwdParams` in `kernels/flash_bwd.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct BwdParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    dout: u64,
+    lse: u64,
+    dpsum: u64,
+    dq_accum: u64,
+    dq_sem: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    cu_seqlens_q: u64,
+    cu_seqlens_k: u64,
+    strides: [i64; 26],
+    batch: i32,
+    hq: i32,
+    hk: i32,
+    group: i32,
+    sq: i32,
+    sk: i32,
+    total_q: i32,
+    total_k: i32,
+    k_covered: i32,
+    num_m_blocks: i32,
+    num_n_blocks: i32,
+    causal: i32,
+    window_left: i32,
+    window_right: i32,
+    scale_log2: f32,
+    scale: f32,
+    deterministic: i32,
+    dropout: DropoutParams,
+}
+
+/// `DropoutParams` in `kernels/philox.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DropoutParams {
+    seed_lo: u32,
+    seed_hi: u32,
+    offset: u32,
+    threshold: u32,
+    scale: f32,
+    enabled: i32,
+}
+
+impl DropoutParams {
+    /// The kernel's view of the geometry's dropout: the same `DropoutRng` the CPU uses, so both
+    /// draw the same keep mask.
+    fn of(g: &Geometry<'_>) -> Self {
+        match g.dropout {
+            Some(d) if d.p > 0.0 => {
+                let rng = DropoutRng::new(d.p, d.seed, d.offset);
+                let [seed_lo, seed_hi] = rng.key();
+                // `threshold <= 2^32 - 256` for p < 1 (philox.rs), so it fits a u32.
+                let threshold = u32::try_from(rng.threshold()).unwrap_or(u32::MAX);
+                Self { seed_lo, seed_hi, offset: rng.offset(), threshold, scale: rng.scale(), enabled: 1 }
+            }
+            _ => Self::default(),
+        }
+    }
 }
 
 // SAFETY: plain old data with the C layout of the kernel's `FwdParams` (pointers as u64).
 unsafe impl DeviceRepr for FwdParams {}
+// SAFETY: plain old data with the C layout of the kernel's `BwdParams` (pointers as u64).
+unsafe impl DeviceRepr for BwdParams {}
 
-/// The variant for this problem, or why the CUDA forward cannot run it.
-pub(crate) fn supported(spec: &AttentionSpec<'_>, g: &Geometry<'_>, dtype: DType) -> Result<Variant> {
-    let unsupported = |what: &str| Err(Error::Unsupported(format!("the CUDA forward does not support {what} yet")));
+/// Why the CUDA kernels cannot run this problem, if they cannot (`pass`: "forward" or "backward").
+fn check_supported(g: &Geometry<'_>, dtype: DType, pass: &str) -> Result<()> {
+    let unsupported = |what: &str| Err(Error::Unsupported(format!("the CUDA {pass} does not support {what} yet")));
     if dtype == DType::F32 {
         return unsupported("f32 inputs (use f16 or bf16)");
     }
@@ -67,16 +141,22 @@ pub(crate) fn supported(spec: &AttentionSpec<'_>, g: &Geometry<'_>, dtype: DType
     if g.block.is_some() {
         return unsupported("block-sparse masks");
     }
-    if spec.dropout_setting().is_some_and(|d| d.p > 0.0) {
-        return unsupported("dropout");
+    if !HEAD_DIMS.contains(&g.d) {
+        return Err(Error::HeadDim { tensor: "q", dim: g.d, backend: "cuda (64 or 128)", min: 64, max: 128 });
     }
-    Variant::default_for(dtype, g.d).ok_or(Error::HeadDim {
-        tensor: "q",
-        dim: g.d,
-        backend: "cuda (64 or 128)",
-        min: 64,
-        max: 128,
-    })
+    Ok(())
+}
+
+/// The forward variant for this problem, or why the CUDA forward cannot run it.
+pub(crate) fn supported(g: &Geometry<'_>, dtype: DType) -> Result<Variant> {
+    check_supported(g, dtype, "forward")?;
+    Variant::default_for(dtype, g.d).ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
+}
+
+/// The backward variant for this problem, or why the CUDA backward cannot run it.
+pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType) -> Result<BwdVariant> {
+    check_supported(g, dtype, "backward")?;
+    BwdVariant::default_for(dtype, g.d).ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
 }
 
 fn i32_of(what: &str, x: usize) -> Result<i32> {
@@ -91,6 +171,28 @@ fn window_side(x: i64) -> i32 {
     } else {
         x as i32
     }
+}
+
+/// Varlen: `cu_seqlens_q` then `cu_seqlens_k` (each `batch + 1` entries, starting at 0) in one
+/// device buffer; `None` for fixed-length batches.
+fn upload_cu_seqlens(dev: &Device, g: &Geometry<'_>) -> Result<Option<CudaSlice<i32>>> {
+    if !g.varlen {
+        return Ok(None);
+    }
+    let mut cq = Vec::with_capacity(g.seqs.len() + 1);
+    let mut ck = Vec::with_capacity(g.seqs.len() + 1);
+    cq.push(0i32);
+    ck.push(0i32);
+    for s in &g.seqs {
+        cq.push(i32_of("cu_seqlens_q", s.q_start + s.sq)?);
+        ck.push(i32_of("cu_seqlens_k", s.k_start + s.sk)?);
+    }
+    cq.extend(ck);
+    Ok(Some(dev.stream().clone_htod(&cq).map_err(|e| driver_error("upload cu_seqlens", e))?))
+}
+
+fn strides_of(l: &RowLayout) -> [i64; 3] {
+    [l.batch_stride as i64, l.token_stride as i64, l.head_stride as i64]
 }
 
 /// cp.async moves 16-byte rows: every row start must be 16-byte aligned.
@@ -131,20 +233,7 @@ pub(crate) fn forward<T: CudaElement>(
         return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {heads} heads is too large a grid")));
     };
 
-    let cu = if g.varlen {
-        let mut cq = Vec::with_capacity(g.seqs.len() + 1);
-        let mut ck = Vec::with_capacity(g.seqs.len() + 1);
-        cq.push(0i32);
-        ck.push(0i32);
-        for s in &g.seqs {
-            cq.push(i32_of("cu_seqlens_q", s.q_start + s.sq)?);
-            ck.push(i32_of("cu_seqlens_k", s.k_start + s.sk)?);
-        }
-        cq.extend(ck);
-        Some(stream.clone_htod(&cq).map_err(|e| driver_error("upload cu_seqlens", e))?)
-    } else {
-        None
-    };
+    let cu = upload_cu_seqlens(dev, g)?;
 
     let elem = std::mem::size_of::<T>();
     let (qp, _q_sync) = q.data.device_ptr(stream);
@@ -203,6 +292,7 @@ pub(crate) fn forward<T: CudaElement>(
         window_right,
         scale_log2: g.scale * std::f32::consts::LOG2_E,
         longest_first: i32::from(g.causal != Causal::None),
+        dropout: DropoutParams::of(g),
     };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
@@ -215,5 +305,183 @@ pub(crate) fn forward<T: CudaElement>(
     // device buffer checked (through `Geometry`) to hold every element the kernel touches, and
     // the sync guards above keep them ordered on this stream until the launch is enqueued.
     unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd", e))?;
+    Ok(())
+}
+
+/// The three loaded backward kernels of one variant.
+#[derive(Debug, Clone)]
+pub(crate) struct BwdFunctions {
+    pub prep: CudaFunction,
+    pub main: CudaFunction,
+    pub convert: CudaFunction,
+}
+
+/// The inputs and outputs of one backward launch, checked against the geometry.
+pub(crate) struct BwdBuffers<'x, 'a, 'dq, 'dk, 'dv, T> {
+    pub q: &'x DeviceTensor<'a, T>,
+    pub k: &'x DeviceTensor<'a, T>,
+    pub v: &'x DeviceTensor<'a, T>,
+    pub out: &'x DeviceTensor<'a, T>,
+    pub out_layout: RowLayout,
+    pub lse: &'x CudaView<'a, f32>,
+    pub dout: &'x DeviceTensor<'a, T>,
+    pub dout_layout: RowLayout,
+    pub dq: &'x mut DeviceTensorMut<'dq, T>,
+    pub dq_layout: RowLayout,
+    pub dk: &'x mut DeviceTensorMut<'dk, T>,
+    pub dk_layout: RowLayout,
+    pub dv: &'x mut DeviceTensorMut<'dv, T>,
+    pub dv_layout: RowLayout,
+}
+
+/// Warps of 256-thread blocks: grid size for `warps` one-warp work items.
+fn warp_grid(warps: usize) -> Result<u32> {
+    u32::try_from(warps.div_ceil(8)).map_err(|_| Error::Unsupported(format!("{warps} rows is too large a grid")))
+}
+
+/// The backward pass: D, then the main kernel, then dq's conversion, all on the device's
+/// stream. Extra device memory: the f32 dQ accumulator (`total_q · hq · d` floats) and D (one
+/// float per query row and head), plus one `i32` per (sequence, head, query tile) in
+/// deterministic mode.
+pub(crate) fn backward<T: CudaElement>(
+    dev: &Device,
+    f: &BwdFunctions,
+    variant: &BwdVariant,
+    g: &Geometry<'_>,
+    deterministic: bool,
+    x: BwdBuffers<'_, '_, '_, '_, '_, T>,
+) -> Result<()> {
+    let stream = dev.stream();
+    let elem = std::mem::size_of::<T>();
+    let (br, bc) = (variant.br, variant.block_keys());
+    let batch = g.seqs.len();
+    let num_m_blocks = g.max_sq.div_ceil(br).max(1);
+    let num_n_blocks = g.max_sk.div_ceil(bc);
+    let alloc = |what: &str, e| driver_error(what, e);
+    let mut dq_accum =
+        stream.alloc_zeros::<f32>((g.total_q * g.hq * g.d).max(1)).map_err(|e| alloc("alloc dQ accumulator", e))?;
+    let mut dpsum = stream.alloc_zeros::<f32>(g.lse_len().max(1)).map_err(|e| alloc("alloc D", e))?;
+    let sems = if deterministic { batch * g.hq * num_m_blocks } else { 1 };
+    let mut dq_sem = stream.alloc_zeros::<i32>(sems.max(1)).map_err(|e| alloc("alloc semaphores", e))?;
+    let cu = upload_cu_seqlens(dev, g)?;
+
+    let (qp, _q_sync) = x.q.data.device_ptr(stream);
+    let (kp, _k_sync) = x.k.data.device_ptr(stream);
+    let (vp, _v_sync) = x.v.data.device_ptr(stream);
+    let (op, _o_sync) = x.out.data.device_ptr(stream);
+    let (lp, _l_sync) = x.lse.device_ptr(stream);
+    let (dop, _do_sync) = x.dout.data.device_ptr(stream);
+    let (dqp, _dq_sync) = x.dq.data.device_ptr_mut(stream);
+    let (dkp, _dk_sync) = x.dk.data.device_ptr_mut(stream);
+    let (dvp, _dv_sync) = x.dv.data.device_ptr_mut(stream);
+    let (accp, _acc_sync) = dq_accum.device_ptr_mut(stream);
+    let (dpp, _dp_sync) = dpsum.device_ptr_mut(stream);
+    let (semp, _sem_sync) = dq_sem.device_ptr_mut(stream);
+    for (name, ptr, layout) in [
+        ("q", qp, &g.q),
+        ("k", kp, &g.k),
+        ("v", vp, &g.v),
+        ("out", op, &x.out_layout),
+        ("dout", dop, &x.dout_layout),
+        ("dq", dqp, &x.dq_layout),
+        ("dk", dkp, &x.dk_layout),
+        ("dv", dvp, &x.dv_layout),
+    ] {
+        check_alignment(name, ptr, layout, elem)?;
+    }
+    let (cq, ck, _cu_sync) = match &cu {
+        Some(c) => {
+            let (p, s) = c.device_ptr(stream);
+            (p, p + 4 * (batch as u64 + 1), Some(s))
+        }
+        None => (0, 0, None),
+    };
+    let (lse_batch, lse_head) = if g.varlen { (0, g.total_q) } else { (g.hq * g.max_sq, g.max_sq) };
+    let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
+    let k_covered = g.seqs.last().map_or(0, |s| s.k_start + s.sk);
+    let mut strides = [0i64; 26];
+    for (i, l) in [&g.q, &g.k, &g.v, &x.out_layout, &x.dout_layout, &x.dq_layout, &x.dk_layout, &x.dv_layout]
+        .into_iter()
+        .enumerate()
+    {
+        strides[3 * i..3 * i + 3].copy_from_slice(&strides_of(l));
+    }
+    strides[24] = lse_batch as i64;
+    strides[25] = lse_head as i64;
+    let params = BwdParams {
+        q: qp,
+        k: kp,
+        v: vp,
+        o: op,
+        dout: dop,
+        lse: lp,
+        dpsum: dpp,
+        dq_accum: accp,
+        dq_sem: semp,
+        dq: dqp,
+        dk: dkp,
+        dv: dvp,
+        cu_seqlens_q: cq,
+        cu_seqlens_k: ck,
+        strides,
+        batch: i32_of("batch", batch)?,
+        hq: i32_of("hq", g.hq)?,
+        hk: i32_of("hk", g.hk)?,
+        group: i32_of("hq / hk", g.hq / g.hk)?,
+        sq: i32_of("sq", g.max_sq)?,
+        sk: i32_of("sk", g.max_sk)?,
+        total_q: i32_of("query tokens", g.total_q)?,
+        total_k: i32_of("key tokens", g.total_k)?,
+        k_covered: i32_of("key tokens", k_covered)?,
+        num_m_blocks: i32_of("query tiles", num_m_blocks)?,
+        num_n_blocks: i32_of("key tiles", num_n_blocks)?,
+        causal: match g.causal {
+            Causal::None => 0,
+            Causal::BottomRight => 1,
+            Causal::TopLeft => 2,
+        },
+        window_left,
+        window_right,
+        scale_log2: g.scale * std::f32::consts::LOG2_E,
+        scale: g.scale,
+        deterministic: i32::from(deterministic),
+        dropout: DropoutParams::of(g),
+    };
+    i32_of("query rows x heads", g.total_q * g.hq)?;
+    i32_of("key rows x heads", g.total_k * g.hk)?;
+
+    let rows = g.total_q * g.hq;
+    if rows > 0 {
+        let cfg = LaunchConfig { grid_dim: (warp_grid(rows)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(&f.prep);
+        b.arg(&params);
+        // SAFETY: `BwdParams` matches the kernel's; `out`, `dout` and D hold every row the
+        // geometry names (checked above), and the guards keep the buffers alive on this stream.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_error("launch flash_bwd_prep", e))?;
+    }
+    let blocks = num_n_blocks * batch * g.hk;
+    if blocks > 0 {
+        let grid =
+            u32::try_from(blocks).map_err(|_| Error::Unsupported(format!("{blocks} key tiles is too large a grid")))?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (variant.threads() as u32, 1, 1),
+            shared_mem_bytes: variant.smem_bytes() as u32,
+        };
+        let mut b = stream.launch_builder(&f.main);
+        b.arg(&params);
+        // SAFETY: as above; the main kernel reads q, k, v, dout, lse and D, writes dk and dv rows
+        // of its key tile and adds into the dQ accumulator, all sized by the geometry.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_error("launch flash_bwd", e))?;
+    }
+    let tail = if g.varlen { (g.total_k - k_covered) * g.hk } else { 0 };
+    let items = rows.max(tail);
+    if items > 0 {
+        let cfg = LaunchConfig { grid_dim: (warp_grid(items)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(&f.convert);
+        b.arg(&params);
+        // SAFETY: as above; writes every dq row and the dk/dv rows of uncovered varlen tokens.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_error("launch flash_bwd_convert", e))?;
+    }
     Ok(())
 }

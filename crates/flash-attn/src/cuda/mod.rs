@@ -1,6 +1,6 @@
-//! The CUDA backend (cargo feature `cuda`): FlashAttention-2-class forward kernels for sm_80+,
-//! written in CUDA C++ (`kernels/*.cuh`), compiled at first use by NVRTC into a CUBIN for the
-//! device's exact architecture and cached on disk (DESIGN §4).
+//! The CUDA backend (cargo feature `cuda`): FlashAttention-2-class forward and backward kernels
+//! for sm_80+, written in CUDA C++ (`kernels/*.cuh`), compiled at first use by NVRTC into a CUBIN
+//! for the device's exact architecture and cached on disk (DESIGN §4).
 //!
 //! The driver and NVRTC are loaded dynamically: a machine without them gets
 //! [`Error::CudaUnavailable`] / [`Error::NvrtcUnavailable`], never a panic.
@@ -11,13 +11,18 @@
 //! let (b, s, h, d) = (1, 256, 4, 64);
 //! let x: Vec<bf16> = (0..b * s * h * d).map(|i| bf16::from_f32((i as f32 * 0.1).sin())).collect();
 //! let t = Tensor::new(&x, &[b, s, h, d]);
-//! let res = flash_attn::cuda::forward_host(&AttentionSpec::new().causal(), &t, &t, &t)?;
+//! let spec = AttentionSpec::new().causal().dropout(0.1, 42, 0);
+//! let res = flash_attn::cuda::forward_host(&spec, &t, &t, &t)?;
+//! let out = Tensor::new(&res.out, &res.out_shape);
+//! let grads = flash_attn::cuda::backward_host(&spec, &t, &t, &t, &out, &res.lse, &t)?;
 //! # Ok::<(), flash_attn::Error>(())
 //! ```
 //!
-//! Supported today: `f16`/`bf16`, `d == dv ∈ {64, 128}`, causal (bottom-right and top-left),
-//! sliding windows, GQA/MQA, fixed-length and varlen batches, strided inputs whose strides are
-//! multiples of 8 elements. Softcap, ALiBi, block-sparse masks and dropout return
+//! Supported today, forward and backward: `f16`/`bf16`, `d == dv ∈ {64, 128}`, causal
+//! (bottom-right and top-left), sliding windows, GQA/MQA (gradients summed into the `hk` heads on
+//! chip), fixed-length and varlen batches, dropout (the CPU's Philox keep mask, bit for bit),
+//! strided inputs whose strides are multiples of 8 elements; a deterministic backward
+//! ([`AttentionSpec::deterministic`]). Softcap, ALiBi and block-sparse masks return
 //! [`Error::Unsupported`].
 
 mod kernels;
@@ -33,9 +38,9 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::spec::{AttentionSpec, Geometry};
 use crate::tensor::{Tensor, TensorMut};
-use crate::Output;
+use crate::{Gradients, Output};
 
-pub use kernels::{Variant, HEAD_DIMS};
+pub use kernels::{BwdVariant, Variant, HEAD_DIMS};
 pub use nvrtc::Arch;
 
 /// Element types the CUDA kernels take: [`half::f16`] and [`half::bf16`].
@@ -69,6 +74,7 @@ pub struct Device {
     stream: Arc<CudaStream>,
     arch: Arch,
     functions: Mutex<HashMap<Variant, CudaFunction>>,
+    bwd_functions: Mutex<HashMap<BwdVariant, launch::BwdFunctions>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -100,6 +106,7 @@ impl Device {
             stream,
             arch: Arch::from_compute_capability(major, minor),
             functions: Mutex::new(HashMap::new()),
+            bwd_functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -135,6 +142,33 @@ impl Device {
             variant.smem_bytes() as i32,
         )
         .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+        map.insert(*variant, f.clone());
+        Ok(f)
+    }
+
+    /// The loaded backward kernels of `variant`, compiling (or reading the cache) on first use.
+    pub(crate) fn bwd_functions(&self, variant: &BwdVariant) -> Result<launch::BwdFunctions> {
+        let mut map = self.bwd_functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = map.get(variant) {
+            return Ok(f.clone());
+        }
+        let compiled = nvrtc::compile(&variant.name(), &kernels::backward_source(), &variant.options(), &self.arch)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+            .map_err(|e| driver_error("cuModuleLoadData", e))?;
+        let load = |name: &str| module.load_function(name).map_err(|e| driver_error("cuModuleGetFunction", e));
+        let f = launch::BwdFunctions {
+            prep: load("flash_bwd_prep")?,
+            main: load("flash_bwd")?,
+            convert: load("flash_bwd_convert")?,
+        };
+        f.main
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                variant.smem_bytes() as i32,
+            )
+            .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))?;
         map.insert(*variant, f.clone());
         Ok(f)
     }
@@ -193,7 +227,7 @@ impl Device {
         g.check_lse_len(lse.len())?;
         let variant = match variant {
             Some(v) => v,
-            None => launch::supported(spec, &g, T::DTYPE)?,
+            None => launch::supported(&g, T::DTYPE)?,
         };
         if variant.dtype != T::DTYPE || variant.d != g.d {
             return Err(Error::Unsupported(format!(
@@ -205,6 +239,115 @@ impl Device {
         }
         let f = self.function(&variant)?;
         launch::forward(self, &f, &variant, &g, q, k, v, out, o_layout, lse)
+    }
+
+    /// Attention backward on device buffers, enqueued on [`Device::stream`] (asynchronous): `dq`,
+    /// `dk`, `dv` from the inputs, the forward's `out` and `lse`, and `dout` (shaped like `out`).
+    ///
+    /// Extra device memory: an f32 dQ accumulator (`total_q · hq · d` floats) and `D` (one f32 per
+    /// query row and head), allocated for the call. GQA gradients are summed into the `hk` heads
+    /// on chip. With [`AttentionSpec::deterministic`] the dQ contributions are added in a fixed
+    /// order and the result is bitwise reproducible; by default they are added with atomics.
+    /// With dropout, the spec's `(seed, offset)` must be the forward's: the keep mask is
+    /// regenerated, bit-identical to the CPU's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k: &DeviceTensor<'_, T>,
+        v: &DeviceTensor<'_, T>,
+        out: &DeviceTensor<'_, T>,
+        lse: &CudaView<'_, f32>,
+        dout: &DeviceTensor<'_, T>,
+        dq: &mut DeviceTensorMut<'_, T>,
+        dk: &mut DeviceTensorMut<'_, T>,
+        dv: &mut DeviceTensorMut<'_, T>,
+    ) -> Result<()> {
+        self.backward_variant(spec, q, k, v, out, lse, dout, dq, dk, dv, None)
+    }
+
+    /// [`Device::backward`] with an explicit kernel variant (`None`: the default).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_variant<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k: &DeviceTensor<'_, T>,
+        v: &DeviceTensor<'_, T>,
+        out: &DeviceTensor<'_, T>,
+        lse: &CudaView<'_, f32>,
+        dout: &DeviceTensor<'_, T>,
+        dq: &mut DeviceTensorMut<'_, T>,
+        dk: &mut DeviceTensorMut<'_, T>,
+        dv: &mut DeviceTensorMut<'_, T>,
+        variant: Option<BwdVariant>,
+    ) -> Result<()> {
+        let units = |n: usize| vec![(); n];
+        let (uq, uk, uv) = (units(q.data.len()), units(k.data.len()), units(v.data.len()));
+        let (uo, udo) = (units(out.data.len()), units(dout.data.len()));
+        let (mut udq, mut udk, mut udv) = (units(dq.data.len()), units(dk.data.len()), units(dv.data.len()));
+        let g = Geometry::new(
+            spec,
+            &Tensor::with_strides(&uq, &q.shape, &q.strides),
+            &Tensor::with_strides(&uk, &k.shape, &k.strides),
+            &Tensor::with_strides(&uv, &v.shape, &v.strides),
+        )?;
+        let out_shape = g.q_shape(g.dv);
+        let out_layout =
+            g.check_input_like("out", &Tensor::with_strides(&uo, &out.shape, &out.strides), &out_shape, true)?;
+        let dout_layout =
+            g.check_input_like("dout", &Tensor::with_strides(&udo, &dout.shape, &dout.strides), &out_shape, true)?;
+        g.check_lse_len(lse.len())?;
+        let dq_layout = g.check_output_like(
+            "dq",
+            &TensorMut::with_strides(&mut udq, &dq.shape, &dq.strides),
+            &g.q_shape(g.d),
+            true,
+        )?;
+        let dk_layout = g.check_output_like(
+            "dk",
+            &TensorMut::with_strides(&mut udk, &dk.shape, &dk.strides),
+            &g.k_shape(g.d),
+            false,
+        )?;
+        let dv_layout = g.check_output_like(
+            "dv",
+            &TensorMut::with_strides(&mut udv, &dv.shape, &dv.strides),
+            &g.k_shape(g.dv),
+            false,
+        )?;
+        let variant = match variant {
+            Some(v) => v,
+            None => launch::supported_backward(&g, T::DTYPE)?,
+        };
+        if variant.dtype != T::DTYPE || variant.d != g.d || g.d != g.dv {
+            return Err(Error::Unsupported(format!(
+                "variant {} does not fit {} d = {}, dv = {}",
+                variant.name(),
+                T::DTYPE,
+                g.d,
+                g.dv
+            )));
+        }
+        let f = self.bwd_functions(&variant)?;
+        let buffers = launch::BwdBuffers {
+            q,
+            k,
+            v,
+            out,
+            out_layout,
+            lse,
+            dout,
+            dout_layout,
+            dq,
+            dq_layout,
+            dk,
+            dk_layout,
+            dv,
+            dv_layout,
+        };
+        launch::backward(self, &f, &variant, &g, spec.is_deterministic(), buffers)
     }
 }
 
@@ -277,7 +420,7 @@ pub fn forward_host_variant<T: CudaElement>(
     let g = Geometry::new(spec, q, k, v)?;
     let variant = match variant {
         Some(v) => v,
-        None => launch::supported(spec, &g, T::DTYPE)?,
+        None => launch::supported(&g, T::DTYPE)?,
     };
     let dev = default_device()?;
     let (dq, dk, dv) = (dev.upload(q.data())?, dev.upload(k.data())?, dev.upload(v.data())?);
@@ -301,6 +444,82 @@ pub fn forward_host_variant<T: CudaElement>(
     out.truncate(out_len);
     lse.truncate(g.lse_len());
     Ok(Output { out, out_shape, lse, lse_shape })
+}
+
+/// Attention backward on GPU 0 for host inputs: copies the inputs, `out`, `lse` and `dout` to the
+/// device, runs the backward kernels, and copies `dq`, `dk`, `dv` (contiguous) back.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_host<T: CudaElement>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &Tensor<'_, T>,
+    lse: &[f32],
+    dout: &Tensor<'_, T>,
+) -> Result<Gradients<T>> {
+    backward_host_variant(spec, q, k, v, out, lse, dout, None)
+}
+
+/// [`backward_host`] with an explicit kernel variant.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_host_variant<T: CudaElement>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &Tensor<'_, T>,
+    lse: &[f32],
+    dout: &Tensor<'_, T>,
+    variant: Option<BwdVariant>,
+) -> Result<Gradients<T>> {
+    let g = Geometry::new(spec, q, k, v)?;
+    let variant = match variant {
+        Some(v) => v,
+        None => launch::supported_backward(&g, T::DTYPE)?,
+    };
+    let dev = default_device()?;
+    let up = |x: &Tensor<'_, T>| dev.upload(x.data());
+    let (dq_in, dk_in, dv_in, dout_in, out_in) = (up(q)?, up(k)?, up(v)?, up(dout)?, up(out)?);
+    let lse_in = dev.stream.clone_htod(lse).map_err(|e| driver_error("upload lse", e))?;
+    let (dq_shape, dk_shape, dv_shape) = (g.q_shape(g.d), g.k_shape(g.d), g.k_shape(g.dv));
+    let len = |s: &[usize]| s.iter().product::<usize>();
+    let alloc = |what: &str, n: usize| dev.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| driver_error(what, e));
+    let (mut gq, mut gk, mut gv) =
+        (alloc("alloc dq", len(&dq_shape))?, alloc("alloc dk", len(&dk_shape))?, alloc("alloc dv", len(&dv_shape))?);
+    {
+        let qt = DeviceTensor::with_strides(dq_in.as_view(), q.shape(), q.strides());
+        let kt = DeviceTensor::with_strides(dk_in.as_view(), k.shape(), k.strides());
+        let vt = DeviceTensor::with_strides(dv_in.as_view(), v.shape(), v.strides());
+        let ot = DeviceTensor::with_strides(out_in.as_view(), out.shape(), out.strides());
+        let dot = DeviceTensor::with_strides(dout_in.as_view(), dout.shape(), dout.strides());
+        let mut dqt = DeviceTensorMut::new(gq.slice_mut(0..len(&dq_shape)), &dq_shape);
+        let mut dkt = DeviceTensorMut::new(gk.slice_mut(0..len(&dk_shape)), &dk_shape);
+        let mut dvt = DeviceTensorMut::new(gv.slice_mut(0..len(&dv_shape)), &dv_shape);
+        dev.backward_variant(
+            spec,
+            &qt,
+            &kt,
+            &vt,
+            &ot,
+            &lse_in.as_view(),
+            &dot,
+            &mut dqt,
+            &mut dkt,
+            &mut dvt,
+            Some(variant),
+        )?;
+    }
+    let down = |x: &CudaSlice<T>, n: usize, what: &str| -> Result<Vec<T>> {
+        let mut h = dev.stream.clone_dtoh(x).map_err(|e| driver_error(what, e))?;
+        h.truncate(n);
+        Ok(h)
+    };
+    let dq = down(&gq, len(&dq_shape), "download dq")?;
+    let dk = down(&gk, len(&dk_shape), "download dk")?;
+    let dv = down(&gv, len(&dv_shape), "download dv")?;
+    dev.stream.synchronize().map_err(|e| driver_error("synchronize", e))?;
+    Ok(Gradients { dq, dq_shape, dk, dk_shape, dv, dv_shape })
 }
 
 /// What compiling one variant for one architecture gave.
@@ -332,6 +551,7 @@ impl VariantReport {
 pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
     nvrtc::available()?;
     let source = kernels::forward_source();
+    let bwd_source = kernels::backward_source();
     let mut reports = Vec::new();
     for arch in archs {
         for v in Variant::all() {
@@ -341,6 +561,17 @@ pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
                 Err(Error::KernelCompile { kernel, log }) => (log.clone(), Err(Error::KernelCompile { kernel, log })),
                 Err(e) => return Err(e),
             };
+            let (registers, spill_bytes) = nvrtc::ptxas_usage(&log);
+            reports.push(VariantReport { name: v.name(), arch: arch.0.clone(), registers, spill_bytes, result, log });
+        }
+        for v in BwdVariant::all() {
+            let r = nvrtc::compile(&v.name(), &bwd_source, &v.options(), arch);
+            let (log, result) = match r {
+                Ok(c) => (c.log, Ok(())),
+                Err(Error::KernelCompile { kernel, log }) => (log.clone(), Err(Error::KernelCompile { kernel, log })),
+                Err(e) => return Err(e),
+            };
+            // The main kernel's usage: the log's largest (the helpers use few registers).
             let (registers, spill_bytes) = nvrtc::ptxas_usage(&log);
             reports.push(VariantReport { name: v.name(), arch: arch.0.clone(), registers, spill_bytes, result, log });
         }

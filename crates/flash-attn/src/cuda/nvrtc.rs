@@ -250,10 +250,10 @@ pub fn ptxas_usage(log: &str) -> (Option<u32>, Option<u32>) {
     let mut spill = None;
     for line in log.lines() {
         if let Some(r) = number_before(line, "registers") {
-            regs = Some(r);
+            regs = regs.max(Some(r));
         }
         if let Some(s) = number_before(line, "bytes spill stores") {
-            spill = Some(s);
+            spill = spill.max(Some(s));
         }
     }
     (regs, spill)

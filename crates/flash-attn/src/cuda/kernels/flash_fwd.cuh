@@ -46,6 +46,7 @@ struct FwdParams {
     int causal, window_left, window_right;
     float scale_log2;               // softmax scale · log2(e)
     int longest_first;              // order blocks longest key range first (causal)
+    DropoutParams dropout;
 };
 
 template <int D, int MT, int BC, int WARPS, bool BF16>
@@ -108,6 +109,27 @@ struct FlashFwd {
                         int j = col0 + 8 * nt + 2 * t + c;
                         if (j < lo || j >= hi) s[mt][nt].x[2 * r + c] = -FA_INF;
                     }
+            }
+    }
+
+    // Dropout on this warp's probabilities (P' = P ∘ keep / (1 - p)), after the row sums took
+    // the undropped P. A thread's two adjacent keys share one Philox call (one four-key group).
+    static __device__ __forceinline__ void apply_dropout(FragC (&s)[MT][NT], const DropoutParams& dp, u32 bh,
+                                                         int row0, int col0, int lane) {
+        int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const u32 i = (u32)(row0 + 16 * mt + g + 8 * r);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const u32 j = (u32)(col0 + 8 * nt + 2 * t);
+                    Philox4 w = dropout_words(dp, bh, i, j);
+                    const u32 u0 = (t & 1) ? w.x[2] : w.x[0], u1 = (t & 1) ? w.x[3] : w.x[1];
+                    s[mt][nt].x[2 * r] *= u0 >= dp.threshold ? dp.scale : 0.f;
+                    s[mt][nt].x[2 * r + 1] *= u1 >= dp.threshold ? dp.scale : 0.f;
+                }
             }
     }
 
@@ -246,6 +268,7 @@ struct FlashFwd {
                 cp_async_commit();
 
                 softmax.update(s, o);
+                if (p.dropout.enabled) apply_dropout(s, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0, lane);
                 cp_async_wait<1>();
                 __syncthreads();  // V[n] landed
                 accumulate_pv(o, s, sV, lane);

@@ -142,6 +142,16 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// One 16-bit element (low half of `w`) widened to f32.
+template <bool BF16>
+__device__ __forceinline__ float to_f32(u32 w) {
+    if (BF16) return __uint_as_float((w & 0xffffu) << 16);
+    float f;
+    unsigned short h = (unsigned short)(w & 0xffffu);
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+    return f;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -1,0 +1,501 @@
+// FlashAttention-2 backward for sm_80+ (mma.sync m16n8k16, f32 accumulation): three kernels.
+//
+//   flash_bwd_prep     D_i = rowsum(dO_i ∘ O_i) in f32, one warp per (token, head).
+//   flash_bwd          one block per (key tile, sequence, kv head): K_j, V_j stay in shared
+//                      memory and dK_j, dV_j in registers while the block walks every query tile
+//                      of every query head of its GQA group that can see the tile (FlashAttention-2
+//                      Algorithm 2 with the loops swapped); dQ is accumulated in f32 in global
+//                      memory with `red.add` (or, deterministic, in key-tile order).
+//   flash_bwd_convert  dq = scale · dQaccum in the dtype; zero dk/dv rows of varlen tokens that
+//                      belong to no sequence.
+//
+// In the main kernel each warp owns 16 keys, so scores are computed transposed, Sᵀ = K Qᵀ
+// (keys × queries): Pᵀ and dSᵀ land in registers exactly as the A operands of dV += Pᵀ dO and
+// dK += dSᵀ Q need them. dQ = dS K needs a sum over the keys of all warps, so dSᵀ goes through
+// shared memory once and is read back transposed (ldmatrix.trans).
+//
+// Compile-time parameters (NVRTC -D options): FA_D (head dim), FA_BR (queries per tile),
+// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16.
+
+#ifndef FA_D
+#define FA_D 128
+#endif
+#ifndef FA_BR
+#define FA_BR 64
+#endif
+#ifndef FA_WARPS
+#define FA_WARPS 4
+#endif
+#ifndef FA_BF16
+#define FA_BF16 1
+#endif
+
+// The launch parameters; mirrored field for field by `BwdParams` in src/cuda/launch.rs.
+struct BwdParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    const u16* o;
+    const u16* dout;
+    const float* lse;
+    float* dpsum;      // D, laid out as lse
+    float* dq_accum;   // [total_q tokens][hq][D] f32
+    int* dq_sem;       // [batch][hq][num_m_blocks] (deterministic mode)
+    u16* dq;
+    u16* dk;
+    u16* dv;
+    const int* cu_seqlens_q;  // null for fixed-length batches
+    const int* cu_seqlens_k;
+    // Strides in elements: batch (0 for varlen), token, head.
+    long long q_batch, q_row, q_head;
+    long long k_batch, k_row, k_head;
+    long long v_batch, v_row, v_head;
+    long long o_batch, o_row, o_head;
+    long long do_batch, do_row, do_head;
+    long long dq_batch, dq_row, dq_head;
+    long long dk_batch, dk_row, dk_head;
+    long long dv_batch, dv_row, dv_head;
+    long long lse_batch, lse_head;  // lse[b, h, i] at b·lse_batch + h·lse_head + q_start + i
+    int batch, hq, hk, group;       // group = hq / hk
+    int sq, sk;                     // fixed-length sizes (varlen: the longest)
+    int total_q, total_k;           // tokens: b·sq (fixed) or the packed count (varlen)
+    int k_covered;                  // varlen: tokens of k in some sequence (cu_seqlens_k[batch])
+    int num_m_blocks, num_n_blocks;
+    int causal, window_left, window_right;
+    float scale_log2;               // softmax scale · log2(e)
+    float scale;                    // softmax scale
+    int deterministic;
+    DropoutParams dropout;
+};
+
+// Position of flattened query token `tok` (b·sq + i for fixed length, the packed index for
+// varlen): its batch entry and row, for the strided layouts and the lse index.
+__device__ __forceinline__ void token_position(const BwdParams& p, int tok, int& b, int& i) {
+    if (p.cu_seqlens_q) {
+        b = 0;
+        i = tok;
+    } else {
+        b = tok / p.sq;
+        i = tok % p.sq;
+    }
+}
+
+// D_i = Σ_c dO[i, c] · O[i, c], one warp per (token, head); f32 sums of the dtype's products.
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_prep(const BwdParams p) {
+    const int warp = (blockIdx.x * 256 + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (warp >= p.total_q * p.hq) return;
+    const int tok = warp / p.hq, h = warp % p.hq;
+    int b, i;
+    token_position(p, tok, b, i);
+    const u16* o = p.o + b * p.o_batch + (long long)i * p.o_row + h * p.o_head;
+    const u16* d = p.dout + b * p.do_batch + (long long)i * p.do_row + h * p.do_head;
+    float sum = 0.f;
+    for (int c = 2 * lane; c < FA_D; c += 64) {
+        u32 ow = *reinterpret_cast<const u32*>(o + c), dw = *reinterpret_cast<const u32*>(d + c);
+        sum += to_f32<FA_BF16 != 0>(ow & 0xffffu) * to_f32<FA_BF16 != 0>(dw & 0xffffu);
+        sum += to_f32<FA_BF16 != 0>(ow >> 16) * to_f32<FA_BF16 != 0>(dw >> 16);
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    if (lane == 0) p.dpsum[b * p.lse_batch + h * p.lse_head + i] = sum;
+}
+
+// dq = scale · dQaccum in the dtype, one warp per (token, head); for varlen, the dk and dv rows
+// of key tokens past the last sequence (no query sees them) are zeroed.
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_convert(const BwdParams p) {
+    const int warp = (blockIdx.x * 256 + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (warp < p.total_q * p.hq) {
+        const int tok = warp / p.hq, h = warp % p.hq;
+        int b, i;
+        token_position(p, tok, b, i);
+        const float* acc = p.dq_accum + ((long long)tok * p.hq + h) * FA_D;
+        u16* dq = p.dq + b * p.dq_batch + (long long)i * p.dq_row + h * p.dq_head;
+        for (int c = 2 * lane; c < FA_D; c += 64) {
+            float2 a = *reinterpret_cast<const float2*>(acc + c);
+            *reinterpret_cast<u32*>(dq + c) = pack2<FA_BF16 != 0>(a.x * p.scale, a.y * p.scale);
+        }
+    }
+    if (p.cu_seqlens_q) {
+        const int tail = (p.total_k - p.k_covered) * p.hk;
+        if (warp < tail) {
+            const int tok = p.k_covered + warp / p.hk, h = warp % p.hk;
+            u16* dk = p.dk + (long long)tok * p.dk_row + h * p.dk_head;
+            u16* dv = p.dv + (long long)tok * p.dv_row + h * p.dv_head;
+            for (int c = 2 * lane; c < FA_D; c += 64) {
+                *reinterpret_cast<u32*>(dk + c) = 0u;
+                *reinterpret_cast<u32*>(dv + c) = 0u;
+            }
+        }
+    }
+}
+
+template <int D, int BR, int WARPS, bool BF16>
+struct FlashBwd {
+    static constexpr int BC = 16 * WARPS;  // keys per block, 16 per warp
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int NT = BR / 8;      // n-tiles of a warp's Sᵀ (queries)
+    static constexpr int DT = D / 8;       // n-tiles of a warp's dK, dV (head dim)
+    static constexpr int KV_BYTES = BC * D * 2;
+    static constexpr int Q_BYTES = BR * D * 2;
+    static constexpr int DS_BYTES = BC * BR * 2;
+    static constexpr int ROW_BYTES = BR * 4;
+    // K, V | Q[2], dO[2] | dSᵀ | lse[2], D[2]
+    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES + 4 * ROW_BYTES;
+    static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
+
+    // Copies BR floats starting at g (rows >= rows_valid zero-filled) with 4-byte cp.async.
+    static __device__ __forceinline__ void load_row_floats(u32 dst, const float* g, int rows_valid, int tid) {
+        for (int r = tid; r < BR; r += THREADS) {
+            bool valid = r < rows_valid;
+            const float* src = valid ? g + r : g;
+            int n = valid ? 4 : 0;
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst + 4 * r), "l"(src), "r"(n));
+        }
+    }
+
+    static __device__ __forceinline__ float ld_shared_f32(u32 addr) {
+        float x;
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(addr));
+        return x;
+    }
+
+    // Sᵀ = K Qᵀ for this warp's 16 keys and all BR queries (raw dot products).
+    static __device__ __forceinline__ void scores_t(FragC (&s)[NT], u32 sK, u32 sQ, int warp_key, int lane) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt].x[e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            FragA ka = load_a<D>(sK, warp_key, kk, lane);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                FragB b0, b1;
+                load_b_pair<D>(sQ, 16 * np, kk, lane, b0, b1);
+                mma<BF16>(s[2 * np], ka, b0);
+                mma<BF16>(s[2 * np + 1], ka, b1);
+            }
+        }
+    }
+
+    // acc += Aᵀ-in-registers · X, where the warp's 16 × BR fragment tile `a` (keys × queries) is the
+    // A operand and X (BR × D, row-major in shared memory) the B operand: dV += Pᵀ dO, dK += dSᵀ Q.
+    static __device__ __forceinline__ void accumulate_t(FragC (&acc)[DT], const FragA (&a)[BR / 16], u32 sX,
+                                                        int lane) {
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                FragB b0, b1;
+                load_b_pair_trans<D>(sX, 16 * kk, dp, lane, b0, b1);
+                mma<BF16>(acc[2 * dp], a[kk], b0);
+                mma<BF16>(acc[2 * dp + 1], a[kk], b1);
+            }
+        }
+    }
+
+    // Keep bits of this thread's Sᵀ elements for query head stream bh: bit (4·nt + 2·r + c) is
+    // key row g + 8r, query column 8·nt + 2t + c. One Philox call per element's four-key group.
+    static __device__ __forceinline__ void keep_bits(u32 (&bits)[(NT + 7) / 8], const DropoutParams& dp, u32 bh,
+                                                     int q0, int k0, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int w = 0; w < (NT + 7) / 8; ++w) bits[w] = 0u;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    u32 j = (u32)(k0 + g + 8 * r), i = (u32)(q0 + 8 * nt + 2 * t + c);
+                    Philox4 w = dropout_words(dp, bh, i, j);
+                    u32 u = (j & 3) == 0 ? w.x[0] : (j & 3) == 1 ? w.x[1] : (j & 3) == 2 ? w.x[2] : w.x[3];
+                    int bit = 4 * nt + 2 * r + c;
+                    if (u >= dp.threshold) bits[bit / 32] |= 1u << (bit % 32);
+                }
+    }
+
+    static __device__ __forceinline__ bool kept(const u32 (&bits)[(NT + 7) / 8], int nt, int r, int c) {
+        int bit = 4 * nt + 2 * r + c;
+        return (bits[bit / 32] >> (bit % 32)) & 1u;
+    }
+
+    // dQ_tile += dS K for every 16-query × 32-column unit this warp takes, added to the f32
+    // accumulator in global memory (rows past the sequence end skipped).
+    static __device__ __forceinline__ void accumulate_dq(u32 sDS, u32 sK, float* acc, long long acc_row,
+                                                         int rows_valid, int warp, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+        constexpr int UNITS = (BR / 16) * (D / 32);
+        for (int u = warp; u < UNITS; u += WARPS) {
+            const int m0 = 16 * (u / (D / 32)), c0 = 32 * (u % (D / 32));
+            FragC d[4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) d[n].x[e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                // A = dS[m0.., 16 kk..] from dSᵀ stored [key][query]: transposed ldmatrix.
+                FragA a;
+                int q = lane >> 3;
+                int key = 16 * kk + (lane & 7) + ((q >> 1) << 3);
+                int chunk = m0 / 8 + (q & 1);
+                ldmatrix_x4_trans(sDS + swizzled_offset<BR>(key, chunk), a.x[0], a.x[1], a.x[2], a.x[3]);
+#pragma unroll
+                for (int dp = 0; dp < 2; ++dp) {
+                    FragB b0, b1;
+                    load_b_pair_trans<D>(sK, 16 * kk, c0 / 16 + dp, lane, b0, b1);
+                    mma<BF16>(d[2 * dp], a, b0);
+                    mma<BF16>(d[2 * dp + 1], a, b1);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                int row = m0 + g + 8 * r;
+                if (row < rows_valid) {
+                    float* dst = acc + row * acc_row + c0 + 2 * t;
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) {
+                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 8 * n), "f"(d[n].x[2 * r]));
+                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 8 * n + 1), "f"(d[n].x[2 * r + 1]));
+                    }
+                }
+            }
+        }
+    }
+
+    // Writes this warp's 16 rows of a dK or dV accumulator (times `mul`) for keys < keys_valid.
+    static __device__ __forceinline__ void store_rows(const FragC (&acc)[DT], float mul, u16* g, long long row_stride,
+                                                      int warp_key, int keys_valid, int lane) {
+        const int gi = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            int row = warp_key + gi + 8 * r;
+            if (row < keys_valid) {
+                u16* dst = g + row * row_stride + 2 * t;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    *reinterpret_cast<u32*>(dst + 8 * dt) =
+                        pack2<BF16>(acc[dt].x[2 * r] * mul, acc[dt].x[2 * r + 1] * mul);
+            }
+        }
+    }
+
+    static __device__ __forceinline__ void run(const BwdParams& p, char* smem) {
+        const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
+        const int g = lane_id >> 2, t = lane_id & 3;
+        // Key tiles of one (sequence, kv head) are consecutive blocks, in order: the deterministic
+        // mode's waits only ever point at earlier blocks.
+        const int n_block = blockIdx.x % p.num_n_blocks;
+        const int bhk = blockIdx.x / p.num_n_blocks;
+        const int b = bhk / p.hk, hkv = bhk % p.hk;
+
+        int q_start = 0, k_start = 0, sq = p.sq, sk = p.sk;
+        if (p.cu_seqlens_q) {
+            q_start = p.cu_seqlens_q[b];
+            sq = p.cu_seqlens_q[b + 1] - q_start;
+            k_start = p.cu_seqlens_k[b];
+            sk = p.cu_seqlens_k[b + 1] - k_start;
+        }
+        const int col0 = n_block * BC;
+        if (col0 >= sk) return;
+        const int keys_valid = min(BC, sk - col0);
+        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+
+        // The query tiles that see this key tile: those whose key range (as the forward and the
+        // deterministic ordering compute it) covers it. Monotone spans make them contiguous.
+        const int m_count = (sq + BR - 1) / BR;
+        int m_lo = m_count, m_hi = 0;
+        for (int m = 0; m < m_count; ++m) {
+            int lo, hi;
+            vis.key_range(m * BR, min(sq, (m + 1) * BR), lo, hi);
+            if (lo / BC <= n_block && n_block < (hi + BC - 1) / BC) {
+                m_lo = min(m_lo, m);
+                m_hi = m + 1;
+            }
+        }
+
+        const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + 2 * Q_BYTES,
+                  sDS = sDO0 + 2 * Q_BYTES, sL0 = sDS + DS_BYTES, sD0 = sL0 + 2 * ROW_BYTES;
+        const int warp_key = 16 * warp;
+
+        const u16* gK = p.k + b * p.k_batch + (long long)(k_start + col0) * p.k_row + hkv * p.k_head;
+        const u16* gV = p.v + b * p.v_batch + (long long)(k_start + col0) * p.v_row + hkv * p.v_head;
+
+        FragC dk[DT], dv[DT];
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
+
+        const int per_head = max(m_hi - m_lo, 0);
+        const int work = per_head * p.group;
+
+        // Starts the copies of work item w (query head, query tile) into buffer w % 2.
+        auto prefetch = [&](int w) {
+            const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
+            const int rows_valid = min(BR, sq - row0), buf = w & 1;
+            const long long tok = q_start + row0;
+            load_tile_async<BR, D, THREADS>(sQ0 + buf * Q_BYTES, p.q + b * p.q_batch + tok * p.q_row + h * p.q_head,
+                                            p.q_row, rows_valid, tid);
+            load_tile_async<BR, D, THREADS>(sDO0 + buf * Q_BYTES,
+                                            p.dout + b * p.do_batch + tok * p.do_row + h * p.do_head, p.do_row,
+                                            rows_valid, tid);
+            const long long li = b * p.lse_batch + h * p.lse_head + tok;
+            load_row_floats(sL0 + buf * ROW_BYTES, p.lse + li, rows_valid, tid);
+            load_row_floats(sD0 + buf * ROW_BYTES, p.dpsum + li, rows_valid, tid);
+        };
+
+        load_tile_async<BC, D, THREADS>(sK, gK, p.k_row, keys_valid, tid);
+        load_tile_async<BC, D, THREADS>(sV, gV, p.v_row, keys_valid, tid);
+        if (work > 0) prefetch(0);
+        cp_async_commit();
+
+        for (int w = 0; w < work; ++w) {
+            if (w + 1 < work) prefetch(w + 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();  // item w (and K, V) landed
+
+            const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
+            const int rows_valid = min(BR, sq - row0), buf = w & 1;
+            // The lane id, opaque to the compiler for this iteration: otherwise ptxas hoists every
+            // swizzled fragment address out of the loop into its own register and spills.
+            int lane;
+            asm volatile("mov.b32 %0, %1;\n" : "=r"(lane) : "r"(lane_id));
+            const u32 sQ = sQ0 + buf * Q_BYTES, sDO = sDO0 + buf * Q_BYTES;
+            const u32 sL = sL0 + buf * ROW_BYTES, sD = sD0 + buf * ROW_BYTES;
+            // Every pair visible and every row a real query: no predicate. (Rows past the end hold
+            // zeros; masking them too keeps a non-finite V out of dK through them.)
+            const bool full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
+
+            // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
+            FragC s[NT];
+            scores_t(s, sK, sQ, warp_key, lane);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = 8 * nt + 2 * t + c;
+                    float l = ld_shared_f32(sL + 4 * col);
+                    // A row that sees no key has lse = -inf and P = 0 (not exp2(+inf)).
+                    l = (l == -FA_INF) ? FA_INF : l * FA_LOG2E;
+                    int lo = 0, hi = 0;
+                    if (!full && col < rows_valid) vis.span(row0 + col, lo, hi);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int key = col0 + warp_key + g + 8 * r;
+                        float x = fast_exp2(fmaf(s[nt].x[2 * r + c], p.scale_log2, -l));
+                        if (!full && (key < lo || key >= hi)) x = 0.f;
+                        s[nt].x[2 * r + c] = x;
+                    }
+                }
+
+            u32 bits[(NT + 7) / 8];
+            const bool drop = p.dropout.enabled;
+            if (drop) keep_bits(bits, p.dropout, (u32)(b * p.hq + h), row0, col0 + warp_key, lane);
+
+            // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p).
+            {
+                FragA pa[BR / 16];
+#pragma unroll
+                for (int kk = 0; kk < BR / 16; ++kk) {
+                    if (drop) {
+                        float x[8];
+#pragma unroll
+                        for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+                            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                                for (int c = 0; c < 2; ++c) {
+                                    const int nt = 2 * kk + h2;
+                                    x[4 * h2 + 2 * r + c] =
+                                        s[nt].x[2 * r + c] * (kept(bits, nt, r, c) ? p.dropout.scale : 0.f);
+                                }
+                        pa[kk].x[0] = pack2<BF16>(x[0], x[1]);
+                        pa[kk].x[1] = pack2<BF16>(x[2], x[3]);
+                        pa[kk].x[2] = pack2<BF16>(x[4], x[5]);
+                        pa[kk].x[3] = pack2<BF16>(x[6], x[7]);
+                    } else {
+                        pa[kk] = scores_to_a<BF16>(s[2 * kk], s[2 * kk + 1]);
+                    }
+                }
+                accumulate_t(dv, pa, sDO, lane);
+            }
+
+            // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D).
+            FragC dp[NT];
+            scores_t(dp, sV, sDO, warp_key, lane);
+            FragA da[BR / 16];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = 8 * nt + 2 * t + c;
+                    const float dd = ld_shared_f32(sD + 4 * col);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        float x = dp[nt].x[2 * r + c];
+                        if (drop) x *= kept(bits, nt, r, c) ? p.dropout.scale : 0.f;
+                        const float pr = s[nt].x[2 * r + c];
+                        // A hidden pair's dS is 0 even where dPᵀ is not finite.
+                        dp[nt].x[2 * r + c] = pr == 0.f ? 0.f : pr * (x - dd);
+                    }
+                }
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
+
+            // dSᵀ to shared memory ([key][query], swizzled) for dQ, before the barrier.
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; ++kk)
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = warp_key + g + 8 * r, chunk = 2 * kk + h2;
+                        const u32 word = da[kk].x[2 * h2 + r];
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + swizzled_offset<BR>(row, chunk) + 4 * t),
+                                     "r"(word));
+                    }
+
+            // dK += dSᵀ Q (the scale is applied once at the end).
+            accumulate_t(dk, da, sQ, lane);
+            __syncthreads();  // dSᵀ complete
+
+            // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
+            const long long acc_tok = p.cu_seqlens_q ? (long long)q_start + row0 : (long long)b * p.sq + row0;
+            float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
+            if (p.deterministic) {
+                // Key tiles add in increasing order: wait for this tile's turn on (b, h, m).
+                int lo, hi;
+                vis.key_range(row0, row0 + rows_valid, lo, hi);
+                const int rank = n_block - lo / BC;
+                int* sem = p.dq_sem + ((long long)b * p.hq + h) * p.num_m_blocks + m;
+                if (tid == 0) {
+                    int seen;
+                    do {
+                        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+                    } while (seen != rank);
+                }
+                __syncthreads();
+                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, warp, lane);
+                __threadfence();
+                __syncthreads();
+                if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
+            } else {
+                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, warp, lane);
+            }
+            __syncthreads();  // dSᵀ and buffer w free for reuse
+        }
+
+        u16* gdK = p.dk + b * p.dk_batch + (long long)(k_start + col0) * p.dk_row + hkv * p.dk_head;
+        u16* gdV = p.dv + b * p.dv_batch + (long long)(k_start + col0) * p.dv_row + hkv * p.dv_head;
+        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, keys_valid, lane_id);
+        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, keys_valid, lane_id);
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32) flash_bwd(const BwdParams p) {
+    extern __shared__ __align__(128) char smem[];
+    FlashBwd<FA_D, FA_BR, FA_WARPS, FA_BF16 != 0>::run(p, smem);
+}
