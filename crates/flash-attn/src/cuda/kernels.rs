@@ -104,35 +104,40 @@ impl Variant {
     }
 }
 
-/// One compiled instance of the backward kernels (`flash_bwd.cuh`'s compile-time parameters). The
-/// tile shape is fixed (64 queries × 128 keys, 8 warps, see the kernel's comments); the dtype and
-/// head dim select the instance.
+/// One compiled instance of the backward kernels (`flash_bwd.cuh`'s compile-time parameters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BwdVariant {
     /// `bf16` or `f16`.
     pub dtype: DType,
     /// Head dimension of q, k and v.
     pub d: usize,
+    /// Query rows per tile (`Br`), a multiple of 64.
+    pub br: usize,
+    /// Warps per block; each owns 16 keys, so a block holds `16 · warps` keys (`Bc`).
+    pub warps: usize,
 }
 
 impl BwdVariant {
-    /// Queries per tile (`Br`).
-    pub const BLOCK_ROWS: usize = 64;
     /// Keys per block (`Bc`).
-    pub const BLOCK_KEYS: usize = 128;
-    /// Threads per block of the main kernel.
-    pub const THREADS: usize = 256;
-
-    /// Dynamic shared memory of the main kernel: K and V tiles, two buffers each of Q and dO,
-    /// P'ᵀ and dSᵀ, and two buffers each of a tile's lse and D.
-    pub fn smem_bytes(&self) -> usize {
-        let (br, bc) = (Self::BLOCK_ROWS, Self::BLOCK_KEYS);
-        2 * bc * self.d * 2 + 4 * br * self.d * 2 + 2 * bc * br * 2 + 4 * br * 4
+    pub fn block_keys(&self) -> usize {
+        16 * self.warps
     }
 
-    /// A name that says everything that changes the binary, e.g. `flash_bwd_bf16_d128`.
+    /// Threads per block.
+    pub fn threads(&self) -> usize {
+        self.warps * 32
+    }
+
+    /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO, dSᵀ, and two buffers
+    /// each of a tile's lse and D.
+    pub fn smem_bytes(&self) -> usize {
+        let bc = self.block_keys();
+        2 * bc * self.d * 2 + 4 * self.br * self.d * 2 + bc * self.br * 2 + 4 * self.br * 4
+    }
+
+    /// A name that says everything that changes the binary, e.g. `flash_bwd_bf16_d128_r64_w4`.
     pub fn name(&self) -> String {
-        format!("flash_bwd_{}_d{}", self.dtype.name(), self.d)
+        format!("flash_bwd_{}_d{}_r{}_w{}", self.dtype.name(), self.d, self.br, self.warps)
     }
 
     /// NVRTC options selecting this variant.
@@ -142,24 +147,29 @@ impl BwdVariant {
             "-Xptxas".into(),
             "-v".into(),
             format!("-DFA_D={}", self.d),
+            format!("-DFA_BR={}", self.br),
+            format!("-DFA_WARPS={}", self.warps),
             format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
         ]
     }
 
-    /// The variant for `dtype` and head dim `d`, if supported.
+    /// The variant used for `dtype` and head dim `d`, if supported: the fastest measured on an
+    /// H100 (docs/cuda-notes.md: 128 keys per block, 8 warps, at every length but one).
     pub fn default_for(dtype: DType, d: usize) -> Option<BwdVariant> {
         if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
             return None;
         }
-        Some(BwdVariant { dtype, d })
+        Some(BwdVariant { dtype, d, br: 64, warps: 8 })
     }
 
-    /// Every variant that is compiled by `compile_all`.
+    /// Every variant that is compiled by `compile_all` and can be benchmarked.
     pub fn all() -> Vec<BwdVariant> {
         let mut v = Vec::new();
         for dtype in [DType::BF16, DType::F16] {
             for d in HEAD_DIMS {
-                v.push(BwdVariant { dtype, d });
+                for (br, warps) in [(64, 4), (64, 8), (128, 4)] {
+                    v.push(BwdVariant { dtype, d, br, warps });
+                }
             }
         }
         v

@@ -353,7 +353,7 @@ pub(crate) fn backward<T: CudaElement>(
 ) -> Result<()> {
     let stream = dev.stream();
     let elem = std::mem::size_of::<T>();
-    let (br, bc) = (BwdVariant::BLOCK_ROWS, BwdVariant::BLOCK_KEYS);
+    let (br, bc) = (variant.br, variant.block_keys());
     let batch = g.seqs.len();
     let num_m_blocks = g.max_sq.div_ceil(br).max(1);
     let num_n_blocks = g.max_sk.div_ceil(bc);
@@ -465,7 +465,7 @@ pub(crate) fn backward<T: CudaElement>(
             u32::try_from(blocks).map_err(|_| Error::Unsupported(format!("{blocks} key tiles is too large a grid")))?;
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
-            block_dim: (BwdVariant::THREADS as u32, 1, 1),
+            block_dim: (variant.threads() as u32, 1, 1),
             shared_mem_bytes: variant.smem_bytes() as u32,
         };
         let mut b = stream.launch_builder(&f.main);

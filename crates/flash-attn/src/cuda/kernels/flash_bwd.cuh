@@ -9,15 +9,22 @@
 //   flash_bwd_convert  dq = scale · dQaccum in the dtype; zero dk/dv rows of varlen tokens that
 //                      belong to no sequence.
 //
-// Scores are computed transposed in the main kernel, Sᵀ = K Qᵀ (keys × queries), so that Pᵀ and
-// dSᵀ are stored [key][query] and read as A operands of dV += P'ᵀ dO and dK += dSᵀ Q, and read
-// transposed (ldmatrix.trans) as the A operand of dQ = dS K. Its tile shape is described above
-// `FlashBwd` below.
+// In the main kernel each warp owns 16 keys, so scores are computed transposed, Sᵀ = K Qᵀ
+// (keys × queries): Pᵀ and dSᵀ land in registers exactly as the A operands of dV += Pᵀ dO and
+// dK += dSᵀ Q need them. dQ = dS K needs a sum over the keys of all warps, so dSᵀ goes through
+// shared memory once and is read back transposed (ldmatrix.trans).
 //
-// Compile-time parameters (NVRTC -D options): FA_D (head dim), FA_BF16 (1: bf16, 0: fp16).
+// Compile-time parameters (NVRTC -D options): FA_D (head dim), FA_BR (queries per tile),
+// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16.
 
 #ifndef FA_D
 #define FA_D 128
+#endif
+#ifndef FA_BR
+#define FA_BR 64
+#endif
+#ifndef FA_WARPS
+#define FA_WARPS 4
 #endif
 #ifndef FA_BF16
 #define FA_BF16 1
@@ -122,37 +129,27 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_convert(const BwdPar
     }
 }
 
-// The main kernel. BC = 128 keys per block, BR = 64 queries per tile, 8 warps. Each product runs on
-// warp tiles of 32 rows so that every fragment loaded from shared memory feeds two or more MMAs
-// (16-row warp tiles made v1 shared-memory bound, docs/cuda-notes.md):
-//
-//   1. Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (128 × 64): warp (wk, wq) = (w % 4, w / 4) owns keys 32·wk.. and
-//      queries 32·wq..; Pᵀ, P'ᵀ (dropped) and dSᵀ are formed in registers and written to shared
-//      memory ([key][query], swizzled).
-//   2. dQ += dS K (64 × D): warp (w % 2, w / 2) owns queries 32·(w % 2).. and D/4 columns; dS is
-//      read back transposed (ldmatrix.trans), the sum goes to the f32 accumulator with red.add.
-//   3. dV += P'ᵀ dO and dK += dSᵀ Q (128 × D): warp (w % 4, w / 4) owns keys 32·wk.. and D/2
-//      columns, in registers for the whole block.
-template <int D, bool BF16>
+template <int D, int BR, int WARPS, bool BF16>
 struct FlashBwd {
-    static constexpr int BR = 64, BC = 128, WARPS = 8, THREADS = 256;
-    static constexpr int DH = D / 16;  // n-tiles of a warp's D/2 columns of dK, dV
-    static constexpr int DQ = D / 32;  // n-tiles of a warp's D/4 columns of dQ
+    static constexpr int BC = 16 * WARPS;  // keys per block, 16 per warp
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int NT = BR / 8;      // n-tiles of a warp's Sᵀ (queries)
+    static constexpr int DT = D / 8;       // n-tiles of a warp's dK, dV (head dim)
     static constexpr int KV_BYTES = BC * D * 2;
     static constexpr int Q_BYTES = BR * D * 2;
-    static constexpr int P_BYTES = BC * BR * 2;
+    static constexpr int DS_BYTES = BC * BR * 2;
     static constexpr int ROW_BYTES = BR * 4;
-    // K, V | Q[2], dO[2] | P'ᵀ, dSᵀ | lse[2], D[2]
-    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + 2 * P_BYTES + 4 * ROW_BYTES;
-    static_assert(D % 64 == 0, "head dims are multiples of 64");
+    // K, V | Q[2], dO[2] | dSᵀ | lse[2], D[2]
+    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES + 4 * ROW_BYTES;
+    static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
 
     // Copies BR floats starting at g (rows >= rows_valid zero-filled) with 4-byte cp.async.
     static __device__ __forceinline__ void load_row_floats(u32 dst, const float* g, int rows_valid, int tid) {
-        if (tid < BR) {
-            bool valid = tid < rows_valid;
-            const float* src = valid ? g + tid : g;
+        for (int r = tid; r < BR; r += THREADS) {
+            bool valid = r < rows_valid;
+            const float* src = valid ? g + r : g;
             int n = valid ? 4 : 0;
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst + 4 * tid), "l"(src), "r"(n));
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst + 4 * r), "l"(src), "r"(n));
         }
     }
 
@@ -162,127 +159,126 @@ struct FlashBwd {
         return x;
     }
 
-    static __device__ __forceinline__ void st_shared_u32(u32 addr, u32 x) {
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x));
-    }
-
-    // 32 × 32 of Xᵀ = A Bᵀ: rows 32·wk.. of A (keys: K or V), columns 32·wq.. of B (queries: Q or
-    // dO), both [row][D] in shared memory.
-    static __device__ __forceinline__ void scores_t(FragC (&s)[2][4], u32 sA, u32 sB, int wk, int wq, int lane) {
+    // Sᵀ = K Qᵀ for this warp's 16 keys and all BR queries (raw dot products).
+    static __device__ __forceinline__ void scores_t(FragC (&s)[NT], u32 sK, u32 sQ, int warp_key, int lane) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt].x[e] = 0.f;
+            for (int e = 0; e < 4; ++e) s[nt].x[e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            FragA a[2];
+            FragA ka = load_a<D>(sK, warp_key, kk, lane);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) a[mt] = load_a<D>(sA, 32 * wk + 16 * mt, kk, lane);
-#pragma unroll
-            for (int np = 0; np < 2; ++np) {
+            for (int np = 0; np < NT / 2; ++np) {
                 FragB b0, b1;
-                load_b_pair<D>(sB, 32 * wq + 16 * np, kk, lane, b0, b1);
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma<BF16>(s[mt][2 * np], a[mt], b0);
-                    mma<BF16>(s[mt][2 * np + 1], a[mt], b1);
-                }
+                load_b_pair<D>(sQ, 16 * np, kk, lane, b0, b1);
+                mma<BF16>(s[2 * np], ka, b0);
+                mma<BF16>(s[2 * np + 1], ka, b1);
             }
         }
     }
 
-    // acc (32 keys × D/2) += Xᵀ Y: Xᵀ rows 32·wk.. of a [key][query] tile (P'ᵀ or dSᵀ), Y a
-    // [query][D] tile (dO or Q), columns (D/2)·wd...
-    static __device__ __forceinline__ void accumulate_kv(FragC (&acc)[2][DH], u32 sX, u32 sY, int wk, int wd,
-                                                         int lane) {
+    // acc += Aᵀ-in-registers · X, where the warp's 16 × BR fragment tile `a` (keys × queries) is the
+    // A operand and X (BR × D, row-major in shared memory) the B operand: dV += Pᵀ dO, dK += dSᵀ Q.
+    static __device__ __forceinline__ void accumulate_t(FragC (&acc)[DT], const FragA (&a)[BR / 16], u32 sX,
+                                                        int lane) {
 #pragma unroll
         for (int kk = 0; kk < BR / 16; ++kk) {
-            FragA a[2];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) a[mt] = load_a<BR>(sX, 32 * wk + 16 * mt, kk, lane);
-#pragma unroll
-            for (int dp = 0; dp < DH / 2; ++dp) {
+            for (int dp = 0; dp < D / 16; ++dp) {
                 FragB b0, b1;
-                load_b_pair_trans<D>(sY, 16 * kk, wd * (D / 32) + dp, lane, b0, b1);
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma<BF16>(acc[mt][2 * dp], a[mt], b0);
-                    mma<BF16>(acc[mt][2 * dp + 1], a[mt], b1);
-                }
+                load_b_pair_trans<D>(sX, 16 * kk, dp, lane, b0, b1);
+                mma<BF16>(acc[2 * dp], a[kk], b0);
+                mma<BF16>(acc[2 * dp + 1], a[kk], b1);
             }
         }
     }
 
-    // dQ (queries 32·wq.., columns (D/4)·wd..) = dS K, added to the accumulator in global memory
-    // (rows past the sequence end skipped).
-    static __device__ __forceinline__ void accumulate_dq(u32 sDS, u32 sK, float* acc, long long acc_row,
-                                                         int rows_valid, int wq, int wd, int lane) {
+    // Keep bits of this thread's Sᵀ elements for query head stream bh: bit (4·nt + 2·r + c) is
+    // key row g + 8r, query column 8·nt + 2t + c. One Philox call per element's four-key group.
+    static __device__ __forceinline__ void keep_bits(u32 (&bits)[(NT + 7) / 8], const DropoutParams& dp, u32 bh,
+                                                     int q0, int k0, int lane) {
         const int g = lane >> 2, t = lane & 3;
-        FragC d[2][DQ];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int w = 0; w < (NT + 7) / 8; ++w) bits[w] = 0u;
 #pragma unroll
-            for (int n = 0; n < DQ; ++n)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) d[mt][n].x[e] = 0.f;
+            for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            // A = dS[queries, keys 16 kk..] from dSᵀ stored [key][query]: transposed ldmatrix.
-            FragA a[2];
-            const int q = lane >> 3, key = 16 * kk + (lane & 7) + ((q >> 1) << 3);
+                for (int c = 0; c < 2; ++c) {
+                    u32 j = (u32)(k0 + g + 8 * r), i = (u32)(q0 + 8 * nt + 2 * t + c);
+                    Philox4 w = dropout_words(dp, bh, i, j);
+                    u32 u = (j & 3) == 0 ? w.x[0] : (j & 3) == 1 ? w.x[1] : (j & 3) == 2 ? w.x[2] : w.x[3];
+                    int bit = 4 * nt + 2 * r + c;
+                    if (u >= dp.threshold) bits[bit / 32] |= 1u << (bit % 32);
+                }
+    }
+
+    static __device__ __forceinline__ bool kept(const u32 (&bits)[(NT + 7) / 8], int nt, int r, int c) {
+        int bit = 4 * nt + 2 * r + c;
+        return (bits[bit / 32] >> (bit % 32)) & 1u;
+    }
+
+    // dQ_tile += dS K for every 16-query × 32-column unit this warp takes, added to the f32
+    // accumulator in global memory (rows past the sequence end skipped).
+    static __device__ __forceinline__ void accumulate_dq(u32 sDS, u32 sK, float* acc, long long acc_row,
+                                                         int rows_valid, int warp, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+        constexpr int UNITS = (BR / 16) * (D / 32);
+        for (int u = warp; u < UNITS; u += WARPS) {
+            const int m0 = 16 * (u / (D / 32)), c0 = 32 * (u % (D / 32));
+            FragC d[4];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                const int chunk = (32 * wq + 16 * mt) / 8 + (q & 1);
-                ldmatrix_x4_trans(sDS + swizzled_offset<BR>(key, chunk), a[mt].x[0], a[mt].x[1], a[mt].x[2],
-                                  a[mt].x[3]);
-            }
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int dp = 0; dp < DQ / 2; ++dp) {
-                FragB b0, b1;
-                load_b_pair_trans<D>(sK, 16 * kk, wd * (D / 64) + dp, lane, b0, b1);
+                for (int e = 0; e < 4; ++e) d[n].x[e] = 0.f;
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma<BF16>(d[mt][2 * dp], a[mt], b0);
-                    mma<BF16>(d[mt][2 * dp + 1], a[mt], b1);
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                // A = dS[m0.., 16 kk..] from dSᵀ stored [key][query]: transposed ldmatrix.
+                FragA a;
+                int q = lane >> 3;
+                int key = 16 * kk + (lane & 7) + ((q >> 1) << 3);
+                int chunk = m0 / 8 + (q & 1);
+                ldmatrix_x4_trans(sDS + swizzled_offset<BR>(key, chunk), a.x[0], a.x[1], a.x[2], a.x[3]);
+#pragma unroll
+                for (int dp = 0; dp < 2; ++dp) {
+                    FragB b0, b1;
+                    load_b_pair_trans<D>(sK, 16 * kk, c0 / 16 + dp, lane, b0, b1);
+                    mma<BF16>(d[2 * dp], a, b0);
+                    mma<BF16>(d[2 * dp + 1], a, b1);
                 }
             }
-        }
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = 32 * wq + 16 * mt + g + 8 * r;
+                int row = m0 + g + 8 * r;
                 if (row < rows_valid) {
-                    float* dst = acc + row * acc_row + wd * (D / 4) + 2 * t;
+                    float* dst = acc + row * acc_row + c0 + 2 * t;
 #pragma unroll
-                    for (int n = 0; n < DQ; ++n) {
-                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 8 * n), "f"(d[mt][n].x[2 * r]));
-                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 8 * n + 1), "f"(d[mt][n].x[2 * r + 1]));
+                    for (int n = 0; n < 4; ++n) {
+                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 8 * n), "f"(d[n].x[2 * r]));
+                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 8 * n + 1), "f"(d[n].x[2 * r + 1]));
                     }
                 }
             }
+        }
     }
 
-    // Writes a warp's 32 keys × D/2 of dK or dV (times `mul`) for keys < keys_valid.
-    static __device__ __forceinline__ void store_rows(const FragC (&acc)[2][DH], float mul, u16* g,
-                                                      long long row_stride, int wk, int wd, int keys_valid,
-                                                      int lane) {
+    // Writes this warp's 16 rows of a dK or dV accumulator (times `mul`) for keys < keys_valid.
+    static __device__ __forceinline__ void store_rows(const FragC (&acc)[DT], float mul, u16* g, long long row_stride,
+                                                      int warp_key, int keys_valid, int lane) {
         const int gi = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int r = 0; r < 2; ++r) {
+            int row = warp_key + gi + 8 * r;
+            if (row < keys_valid) {
+                u16* dst = g + row * row_stride + 2 * t;
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = 32 * wk + 16 * mt + gi + 8 * r;
-                if (row < keys_valid) {
-                    u16* dst = g + row * row_stride + wd * (D / 2) + 2 * t;
-#pragma unroll
-                    for (int n = 0; n < DH; ++n)
-                        *reinterpret_cast<u32*>(dst + 8 * n) =
-                            pack2<BF16>(acc[mt][n].x[2 * r] * mul, acc[mt][n].x[2 * r + 1] * mul);
-                }
+                for (int dt = 0; dt < DT; ++dt)
+                    *reinterpret_cast<u32*>(dst + 8 * dt) =
+                        pack2<BF16>(acc[dt].x[2 * r] * mul, acc[dt].x[2 * r + 1] * mul);
             }
+        }
     }
 
     static __device__ __forceinline__ void run(const BwdParams& p, char* smem) {
@@ -320,20 +316,17 @@ struct FlashBwd {
         }
 
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + 2 * Q_BYTES,
-                  sP = sDO0 + 2 * Q_BYTES, sDS = sP + P_BYTES, sL0 = sDS + P_BYTES, sD0 = sL0 + 2 * ROW_BYTES;
-        const int wk = warp % 4, wq = warp / 4;   // products 1 and 3
-        const int wq2 = warp % 2, wd2 = warp / 2;  // product 2
+                  sDS = sDO0 + 2 * Q_BYTES, sL0 = sDS + DS_BYTES, sD0 = sL0 + 2 * ROW_BYTES;
+        const int warp_key = 16 * warp;
 
         const u16* gK = p.k + b * p.k_batch + (long long)(k_start + col0) * p.k_row + hkv * p.k_head;
         const u16* gV = p.v + b * p.v_batch + (long long)(k_start + col0) * p.v_row + hkv * p.v_head;
 
-        FragC dk[2][DH], dv[2][DH];
+        FragC dk[DT], dv[DT];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
-            for (int n = 0; n < DH; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dk[mt][n].x[e] = dv[mt][n].x[e] = 0.f;
+            for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
 
         const int per_head = max(m_hi - m_lo, 0);
         const int work = per_head * p.group;
@@ -364,76 +357,111 @@ struct FlashBwd {
             cp_async_wait<1>();
             __syncthreads();  // item w (and K, V) landed
 
+            const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
+            const int rows_valid = min(BR, sq - row0), buf = w & 1;
             // The lane id, opaque to the compiler for this iteration: otherwise ptxas hoists every
             // swizzled fragment address out of the loop into its own register and spills.
             int lane;
             asm volatile("mov.b32 %0, %1;\n" : "=r"(lane) : "r"(lane_id));
-            const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
-            const int rows_valid = min(BR, sq - row0), buf = w & 1;
             const u32 sQ = sQ0 + buf * Q_BYTES, sDO = sDO0 + buf * Q_BYTES;
             const u32 sL = sL0 + buf * ROW_BYTES, sD = sD0 + buf * ROW_BYTES;
             // Every pair visible and every row a real query: no predicate. (Rows past the end hold
             // zeros; masking them too keeps a non-finite V out of dK through them.)
             const bool full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
-            const bool drop = p.dropout.enabled;
 
-            // 1. Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e) (hidden pairs 0), dPᵀ, dSᵀ.
-            {
-                FragC s[2][4], dp[2][4];
-                scores_t(s, sK, sQ, wk, wq, lane);
-                scores_t(dp, sV, sDO, wk, wq, lane);
+            // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
+            FragC s[NT];
+            scores_t(s, sK, sQ, warp_key, lane);
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int col = 32 * wq + 8 * nt + 2 * t + c;
-                        float l = ld_shared_f32(sL + 4 * col);
-                        // A row that sees no key has lse = -inf and P = 0 (not exp2(+inf)).
-                        l = (l == -FA_INF) ? FA_INF : l * FA_LOG2E;
-                        const float dd = ld_shared_f32(sD + 4 * col);
-                        int lo = 0, hi = 0;
-                        if (!full && col < rows_valid) vis.span(row0 + col, lo, hi);
+                for (int c = 0; c < 2; ++c) {
+                    const int col = 8 * nt + 2 * t + c;
+                    float l = ld_shared_f32(sL + 4 * col);
+                    // A row that sees no key has lse = -inf and P = 0 (not exp2(+inf)).
+                    l = (l == -FA_INF) ? FA_INF : l * FA_LOG2E;
+                    int lo = 0, hi = 0;
+                    if (!full && col < rows_valid) vis.span(row0 + col, lo, hi);
 #pragma unroll
-                        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                            for (int r = 0; r < 2; ++r) {
-                                const int key = col0 + 32 * wk + 16 * mt + g + 8 * r;
-                                float pr = fast_exp2(fmaf(s[mt][nt].x[2 * r + c], p.scale_log2, -l));
-                                if (!full && (key < lo || key >= hi)) pr = 0.f;
-                                float dpr = dp[mt][nt].x[2 * r + c];
-                                float pd = pr;  // P', the dropped probability
-                                if (drop) {
-                                    const u32 i = (u32)(row0 + col), j = (u32)key;
-                                    Philox4 wds = dropout_words(p.dropout, (u32)(b * p.hq + h), i, j);
-                                    const u32 u = (j & 3) == 0   ? wds.x[0]
-                                                  : (j & 3) == 1 ? wds.x[1]
-                                                  : (j & 3) == 2 ? wds.x[2]
-                                                                 : wds.x[3];
-                                    const float f = u >= p.dropout.threshold ? p.dropout.scale : 0.f;
-                                    pd = pr * f;
-                                    dpr *= f;
-                                }
-                                // A hidden pair's dS is 0 even where dPᵀ is not finite.
-                                s[mt][nt].x[2 * r + c] = pd;
-                                dp[mt][nt].x[2 * r + c] = pr == 0.f ? 0.f : pr * (dpr - dd);
-                            }
+                    for (int r = 0; r < 2; ++r) {
+                        const int key = col0 + warp_key + g + 8 * r;
+                        float x = fast_exp2(fmaf(s[nt].x[2 * r + c], p.scale_log2, -l));
+                        if (!full && (key < lo || key >= hi)) x = 0.f;
+                        s[nt].x[2 * r + c] = x;
                     }
-                // P'ᵀ and dSᵀ to shared memory, [key][query] swizzled.
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-#pragma unroll
-                        for (int nt = 0; nt < 4; ++nt) {
-                            const int row = 32 * wk + 16 * mt + g + 8 * r, chunk = 4 * wq + nt;
-                            const u32 off = swizzled_offset<BR>(row, chunk) + 4 * t;
-                            st_shared_u32(sP + off, pack2<BF16>(s[mt][nt].x[2 * r], s[mt][nt].x[2 * r + 1]));
-                            st_shared_u32(sDS + off, pack2<BF16>(dp[mt][nt].x[2 * r], dp[mt][nt].x[2 * r + 1]));
-                        }
-            }
-            __syncthreads();  // P'ᵀ, dSᵀ complete
+                }
 
-            // 2. dQ += dS K.
+            u32 bits[(NT + 7) / 8];
+            const bool drop = p.dropout.enabled;
+            if (drop) keep_bits(bits, p.dropout, (u32)(b * p.hq + h), row0, col0 + warp_key, lane);
+
+            // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p).
+            {
+                FragA pa[BR / 16];
+#pragma unroll
+                for (int kk = 0; kk < BR / 16; ++kk) {
+                    if (drop) {
+                        float x[8];
+#pragma unroll
+                        for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+                            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                                for (int c = 0; c < 2; ++c) {
+                                    const int nt = 2 * kk + h2;
+                                    x[4 * h2 + 2 * r + c] =
+                                        s[nt].x[2 * r + c] * (kept(bits, nt, r, c) ? p.dropout.scale : 0.f);
+                                }
+                        pa[kk].x[0] = pack2<BF16>(x[0], x[1]);
+                        pa[kk].x[1] = pack2<BF16>(x[2], x[3]);
+                        pa[kk].x[2] = pack2<BF16>(x[4], x[5]);
+                        pa[kk].x[3] = pack2<BF16>(x[6], x[7]);
+                    } else {
+                        pa[kk] = scores_to_a<BF16>(s[2 * kk], s[2 * kk + 1]);
+                    }
+                }
+                accumulate_t(dv, pa, sDO, lane);
+            }
+
+            // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D).
+            FragC dp[NT];
+            scores_t(dp, sV, sDO, warp_key, lane);
+            FragA da[BR / 16];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = 8 * nt + 2 * t + c;
+                    const float dd = ld_shared_f32(sD + 4 * col);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        float x = dp[nt].x[2 * r + c];
+                        if (drop) x *= kept(bits, nt, r, c) ? p.dropout.scale : 0.f;
+                        const float pr = s[nt].x[2 * r + c];
+                        // A hidden pair's dS is 0 even where dPᵀ is not finite.
+                        dp[nt].x[2 * r + c] = pr == 0.f ? 0.f : pr * (x - dd);
+                    }
+                }
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
+
+            // dSᵀ to shared memory ([key][query], swizzled) for dQ, before the barrier.
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; ++kk)
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = warp_key + g + 8 * r, chunk = 2 * kk + h2;
+                        const u32 word = da[kk].x[2 * h2 + r];
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + swizzled_offset<BR>(row, chunk) + 4 * t),
+                                     "r"(word));
+                    }
+
+            // dK += dSᵀ Q (the scale is applied once at the end).
+            accumulate_t(dk, da, sQ, lane);
+            __syncthreads();  // dSᵀ complete
+
             // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
             const long long acc_tok = p.cu_seqlens_q ? (long long)q_start + row0 : (long long)b * p.sq + row0;
             float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
@@ -450,28 +478,24 @@ struct FlashBwd {
                     } while (seen != rank);
                 }
                 __syncthreads();
-                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, wq2, wd2, lane);
+                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, warp, lane);
                 __threadfence();
                 __syncthreads();
                 if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
             } else {
-                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, wq2, wd2, lane);
+                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, warp, lane);
             }
-
-            // 3. dV += P'ᵀ dO, dK += dSᵀ Q (the scale is applied once at the end).
-            accumulate_kv(dv, sP, sDO, wk, wq, lane);
-            accumulate_kv(dk, sDS, sQ, wk, wq, lane);
-            __syncthreads();  // P'ᵀ, dSᵀ and buffer w free for reuse
+            __syncthreads();  // dSᵀ and buffer w free for reuse
         }
 
         u16* gdK = p.dk + b * p.dk_batch + (long long)(k_start + col0) * p.dk_row + hkv * p.dk_head;
         u16* gdV = p.dv + b * p.dv_batch + (long long)(k_start + col0) * p.dv_row + hkv * p.dv_head;
-        store_rows(dk, p.scale, gdK, p.dk_row, wk, wq, keys_valid, lane_id);
-        store_rows(dv, 1.f, gdV, p.dv_row, wk, wq, keys_valid, lane_id);
+        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, keys_valid, lane_id);
+        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, keys_valid, lane_id);
     }
 };
 
-extern "C" __global__ void __launch_bounds__(256) flash_bwd(const BwdParams p) {
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32) flash_bwd(const BwdParams p) {
     extern __shared__ __align__(128) char smem[];
-    FlashBwd<FA_D, FA_BF16 != 0>::run(p, smem);
+    FlashBwd<FA_D, FA_BR, FA_WARPS, FA_BF16 != 0>::run(p, smem);
 }
