@@ -12,7 +12,8 @@
 use rayon::prelude::*;
 
 use super::blocking::Tiles;
-use super::gemm::{gemm, gemm_ta};
+use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair};
+use super::pairs::{narrow_row_pairs, narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::tile::{load_rows, rows_f32, score_tile, transpose, QkOperands, ScoreMod};
 use super::vexp::exp_sub_sum;
 use super::Sink;
@@ -50,14 +51,47 @@ pub(super) struct Scratch {
     vt: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
+    /// The operands as `bf16` pairs, when the products run on them (then `q`, `dout`, `k`, `kt`,
+    /// `v`, `vt` stay empty).
+    pairs: Option<PairTiles>,
+}
+
+/// The five products' operands in the pair layout of [`gemm_bf16`]: pairs along the head dims
+/// for `S = Q Kᵀ` and `dP = dO Vᵀ`, along the query rows for `dV += Pᵀ dO` and `dK += dSᵀ Q`,
+/// along the keys for `dQ += dS K`.
+struct PairTiles {
+    kt: Vec<Bf16Pair>,
+    vt: Vec<Bf16Pair>,
+    k_keys: Vec<Bf16Pair>,
+    q: Vec<Bf16Pair>,
+    dout: Vec<Bf16Pair>,
+    q_rows: Vec<Bf16Pair>,
+    dout_rows: Vec<Bf16Pair>,
+    p_rows: Vec<Bf16Pair>,
+    ds_rows: Vec<Bf16Pair>,
+    ds_keys: Vec<Bf16Pair>,
 }
 
 impl Scratch {
-    pub(super) fn new(g: &Geometry<'_>, t: Tiles) -> Self {
+    pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool) -> Self {
         let (d, dv) = (g.d, g.dv);
+        let f32_tile = |n: usize| if pairs { Vec::new() } else { vec![0.0; n] };
+        let (dp, dvp, brp, bcp) = (d.div_ceil(2), dv.div_ceil(2), t.br.div_ceil(2), t.bc.div_ceil(2));
         Self {
-            q: vec![0.0; t.br * d],
-            dout: vec![0.0; t.br * dv],
+            pairs: pairs.then(|| PairTiles {
+                kt: vec![0; dp * t.bc],
+                vt: vec![0; dvp * t.bc],
+                k_keys: vec![0; bcp * d],
+                q: vec![0; t.br * dp],
+                dout: vec![0; t.br * dvp],
+                q_rows: vec![0; brp * d],
+                dout_rows: vec![0; brp * dv],
+                p_rows: vec![0; brp * t.bc],
+                ds_rows: vec![0; brp * t.bc],
+                ds_keys: vec![0; t.br * bcp],
+            }),
+            q: f32_tile(t.br * d),
+            dout: f32_tile(t.br * dv),
             lse: vec![0.0; t.br],
             delta: vec![0.0; t.br],
             s: vec![0.0; t.br * t.bc],
@@ -65,10 +99,10 @@ impl Scratch {
             tanh: if g.softcap.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
             keep: if g.dropout.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
             p_dropped: if g.dropout.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
-            k: vec![0.0; t.bc * d],
-            kt: vec![0.0; d * t.bc],
-            v: vec![0.0; t.bc * dv],
-            vt: vec![0.0; dv * t.bc],
+            k: f32_tile(t.bc * d),
+            kt: f32_tile(d * t.bc),
+            v: f32_tile(t.bc * dv),
+            vt: f32_tile(dv * t.bc),
             dk: vec![0.0; t.bc * d],
             dv: vec![0.0; t.bc * dv],
         }
@@ -95,6 +129,18 @@ pub(super) struct Context<'a, T> {
     pub dv_layout: RowLayout,
     pub tiles: Tiles,
     pub chunks: usize,
+    /// `Some` when the inputs are `bf16` and the CPU multiplies `bf16` pairs: the five products
+    /// then run on `bf16` operands, `P` and `dS` rounded to `bf16` (as FlashAttention-2 does).
+    pub bf16: Option<Bf16Inputs<'a>>,
+}
+
+/// The raw bits of `bf16` inputs, for the products on `bf16` pairs.
+#[derive(Clone, Copy)]
+pub(super) struct Bf16Inputs<'a> {
+    pub q: &'a [u16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+    pub dout: &'a [u16],
 }
 
 impl<T: Element> Context<'_, T> {
@@ -115,10 +161,17 @@ impl<T: Element> Context<'_, T> {
         for jt in (chunk * per_chunk)..((chunk + 1) * per_chunk).min(n_tiles) {
             let cols = jt * bc..((jt + 1) * bc).min(seq.sk);
             let nc = cols.len();
-            load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
-            transpose(&mut sc.kt, bc, &sc.k, d, nc, d);
-            load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
-            transpose(&mut sc.vt, bc, &sc.v, dv, nc, dv);
+            if let (Some(bits), Some(pt)) = (self.bf16, sc.pairs.as_mut()) {
+                let (k_start, c) = (seq.k_start, cols.clone());
+                pack_rows_transposed(&mut pt.kt, bc, bits.k, g.k, seq, k_start, c.clone(), kv_head, d);
+                pack_rows_transposed(&mut pt.vt, bc, bits.v, g.v, seq, k_start, c.clone(), kv_head, dv);
+                pack_row_pairs(&mut pt.k_keys, d, bits.k, g.k, seq, k_start, c, kv_head, d);
+            } else {
+                load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
+                transpose(&mut sc.kt, bc, &sc.k, d, nc, d);
+                load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
+                transpose(&mut sc.vt, bc, &sc.v, dv, nc, dv);
+            }
             sc.dk[..nc * d].fill(0.0);
             sc.dv[..nc * dv].fill(0.0);
             for head in kv_head * group..(kv_head + 1) * group {
@@ -162,8 +215,25 @@ impl<T: Element> Context<'_, T> {
         let (nr, nc) = (rows.len(), cols.len());
         let smod = ScoreMod::new(g, seq, head);
 
-        let (q, ldq) = rows_f32(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d);
-        let (dout, ldo) = rows_f32(&mut sc.dout, self.dout, self.dout_layout, seq, seq.q_start, rows.clone(), head, dv);
+        // Q_i and dO_i as the products want them: f32 rows (read in place or widened), or bf16
+        // pairs along the head dims and along the rows.
+        let mut ops = match (self.bf16, sc.pairs.take()) {
+            (Some(bits), Some(mut pt)) => {
+                let (q0, dl) = (seq.q_start, self.dout_layout);
+                pack_rows(&mut pt.q, d.div_ceil(2), bits.q, g.q, seq, q0, rows.clone(), head, d);
+                pack_rows(&mut pt.dout, dv.div_ceil(2), bits.dout, dl, seq, q0, rows.clone(), head, dv);
+                pack_row_pairs(&mut pt.q_rows, d, bits.q, g.q, seq, q0, rows.clone(), head, d);
+                pack_row_pairs(&mut pt.dout_rows, dv, bits.dout, dl, seq, q0, rows.clone(), head, dv);
+                RowOperands::Pairs(pt)
+            }
+            (_, pairs) => {
+                sc.pairs = pairs;
+                let (q, ldq) = rows_f32(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d);
+                let (dout, ldo) =
+                    rows_f32(&mut sc.dout, self.dout, self.dout_layout, seq, seq.q_start, rows.clone(), head, dv);
+                RowOperands::F32 { q, ldq, dout, ldo }
+            }
+        };
         for (r, i) in rows.clone().enumerate() {
             let li = g.lse_index(seq, head, i);
             sc.lse[r] = self.lse[li];
@@ -172,7 +242,10 @@ impl<T: Element> Context<'_, T> {
 
         // Recompute S_ij and P_ij = exp(S_ij - L_i) from the saved LSE.
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
-        let qk = QkOperands::F32 { q, ldq, kt: &sc.kt };
+        let qk = match &ops {
+            RowOperands::F32 { q, ldq, .. } => QkOperands::F32 { q, ldq: *ldq, kt: &sc.kt },
+            RowOperands::Pairs(pt) => QkOperands::Bf16Pairs { q: &pt.q, ldq: d.div_ceil(2), kt: &pt.kt },
+        };
         score_tile(&mut sc.s, bc, (qk, false), d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
         for r in 0..nr {
             let lse = sc.lse[r];
@@ -184,7 +257,13 @@ impl<T: Element> Context<'_, T> {
             }
         }
         // dP_ij = dO_i V_jᵀ.
-        gemm(&mut sc.dp, bc, dout, ldo, &sc.vt, bc, (nr, nc, dv), false);
+        match &ops {
+            RowOperands::F32 { dout, ldo, .. } => gemm(&mut sc.dp, bc, dout, *ldo, &sc.vt, bc, (nr, nc, dv), false),
+            RowOperands::Pairs(pt) => {
+                let dvp = dv.div_ceil(2);
+                gemm_bf16(&mut sc.dp, bc, &pt.dout, dvp, &pt.vt, bc, (nr, nc, dvp), false)
+            }
+        }
 
         // Dropout: dV uses P' = P ∘ keep/(1-p), and dP = dP' ∘ keep/(1-p).
         if let Some(dr) = g.dropout {
@@ -200,8 +279,15 @@ impl<T: Element> Context<'_, T> {
                 sc.dp[row].iter_mut().zip(&*keep).for_each(|(dp, &f)| *dp *= f);
             }
         }
+        // dV_j += P'ᵀ dO_i.
         let p = if g.dropout.is_some() { &sc.p_dropped } else { &sc.s };
-        gemm_ta(&mut sc.dv, dv, p, bc, dout, ldo, (nc, dv, nr), true);
+        match &mut ops {
+            RowOperands::F32 { dout, ldo, .. } => gemm_ta(&mut sc.dv, dv, p, bc, dout, *ldo, (nc, dv, nr), true),
+            RowOperands::Pairs(pt) => {
+                pair_rows(&mut pt.p_rows, bc, p, bc, nr, nc);
+                gemm_bf16_ta(&mut sc.dv, dv, &pt.p_rows, bc, &pt.dout_rows, dv, (nc, dv, nr.div_ceil(2)), true);
+            }
+        }
 
         // dS_ij = P_ij ∘ (dP_ij - D_i), through the softcap: ∘ (1 - tanh²).
         for r in 0..nr {
@@ -217,7 +303,13 @@ impl<T: Element> Context<'_, T> {
             }
         }
         // dK_j += dSᵀ Q_i (scaled when written); dQ_i += scale · dS K_j into this chunk's partial.
-        gemm_ta(&mut sc.dk, d, &sc.s, bc, q, ldq, (nc, d, nr), true);
+        match &mut ops {
+            RowOperands::F32 { q, ldq, .. } => gemm_ta(&mut sc.dk, d, &sc.s, bc, q, *ldq, (nc, d, nr), true),
+            RowOperands::Pairs(pt) => {
+                pair_rows(&mut pt.ds_rows, bc, &sc.s, bc, nr, nc);
+                gemm_bf16_ta(&mut sc.dk, d, &pt.ds_rows, bc, &pt.q_rows, d, (nc, d, nr.div_ceil(2)), true);
+            }
+        }
         for r in 0..nr {
             sc.s[r * bc..r * bc + nc].iter_mut().for_each(|x| *x *= g.scale);
         }
@@ -226,7 +318,35 @@ impl<T: Element> Context<'_, T> {
         // of (sequence, kv_head(head), chunk), which runs on one thread; tokens of one sequence
         // are consecutive, and the buffer holds chunks · hq · total_q · d floats.
         let dq = unsafe { self.dq_acc.slice_mut(at, nr * d) };
-        gemm(dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true);
+        match ops {
+            RowOperands::F32 { .. } => gemm(dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true),
+            RowOperands::Pairs(mut pt) => {
+                let bcp = bc.div_ceil(2);
+                for r in 0..nr {
+                    narrow_to_pairs(&mut pt.ds_keys[r * bcp..], &sc.s[r * bc..r * bc + nc]);
+                }
+                gemm_bf16(dq, d, &pt.ds_keys, bcp, &pt.k_keys, d, (nr, d, nc.div_ceil(2)), true);
+                sc.pairs = Some(pt);
+            }
+        }
+    }
+}
+
+/// The row operands of one backward tile.
+enum RowOperands<'a> {
+    /// `Q_i` and `dO_i` as `f32` matrices `(data, row stride)`.
+    F32 { q: &'a [f32], ldq: usize, dout: &'a [f32], ldo: usize },
+    /// The thread's pair tiles, `Q_i` and `dO_i` packed (taken out of the scratch for the tile).
+    Pairs(PairTiles),
+}
+
+/// Rows `2q, 2q + 1` of the `nr × nc` tile `src` (row stride `ld_src`) rounded to `bf16` and
+/// interleaved into row `q` of `dst` (row stride `ld_dst`): `P` or `dS` paired along the rows.
+fn pair_rows(dst: &mut [Bf16Pair], ld_dst: usize, src: &[f32], ld_src: usize, nr: usize, nc: usize) {
+    for q in 0..nr.div_ceil(2) {
+        let lo = &src[2 * q * ld_src..2 * q * ld_src + nc];
+        let hi = (2 * q + 1 < nr).then(|| &src[(2 * q + 1) * ld_src..(2 * q + 1) * ld_src + nc]);
+        narrow_row_pairs(&mut dst[q * ld_dst..], lo, hi);
     }
 }
 

@@ -160,14 +160,14 @@ pub fn gemm_bf16(
     (m, n, kp): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_bf16_with(bf16_pairs_fast(), c, ldc, a, lda, b, ldb, (m, n, kp), accumulate)
+    gemm_bf16_with(bf16_pairs_fast(), c, ldc, a, lda, false, b, ldb, (m, n, kp), accumulate)
 }
 
-/// [`gemm_bf16`] with the AVX-512 BF16 path on or off (tests compare them); `fast` on a CPU
-/// without it falls back to the portable loop.
+/// [`gemm_bf16`] with `A` stored transposed: `a[p · lda + i]` holds `A[i][2p], A[i][2p + 1]`
+/// (the backward pass's `Pᵀ · dO` and `dSᵀ · Q`, with the pairs along the query rows).
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_bf16_with(
-    fast: bool,
+#[inline]
+pub fn gemm_bf16_ta(
     c: &mut [f32],
     ldc: usize,
     a: &[Bf16Pair],
@@ -177,21 +177,46 @@ pub fn gemm_bf16_with(
     (m, n, kp): (usize, usize, usize),
     accumulate: bool,
 ) {
+    gemm_bf16_with(bf16_pairs_fast(), c, ldc, a, lda, true, b, ldb, (m, n, kp), accumulate)
+}
+
+/// [`gemm_bf16`] / [`gemm_bf16_ta`] with the AVX-512 BF16 path on or off (tests compare them);
+/// `fast` on a CPU without it falls back to the portable loop.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16_with(
+    fast: bool,
+    c: &mut [f32],
+    ldc: usize,
+    a: &[Bf16Pair],
+    lda: usize,
+    trans_a: bool,
+    b: &[Bf16Pair],
+    ldb: usize,
+    (m, n, kp): (usize, usize, usize),
+    accumulate: bool,
+) {
     if m == 0 || n == 0 {
         return;
     }
+    let (a_rows, a_cols) = if trans_a { (kp, m) } else { (m, kp) };
     assert!(
         c.len() >= (m - 1) * ldc + n
-            && (kp == 0 || (a.len() >= (m - 1) * lda + kp && b.len() >= (kp - 1) * ldb + n))
+            && (kp == 0 || (a.len() >= (a_rows - 1) * lda + a_cols && b.len() >= (kp - 1) * ldb + n))
             && ldc >= n
-            && (kp == 0 || (lda >= kp && ldb >= n)),
+            && (kp == 0 || (lda >= a_cols && ldb >= n)),
         "gemm_bf16: tile views out of bounds"
     );
     #[cfg(target_arch = "x86_64")]
     if fast && bf16_pairs_fast() {
         // SAFETY: the CPU supports AVX-512F and AVX-512 BF16 (checked just above) and the assert
         // above bounds every access the kernel makes.
-        return unsafe { x86::gemm_avx512_bf16(c, ldc, a, lda, b, ldb, m, n, kp, accumulate) };
+        return unsafe {
+            if trans_a {
+                x86::gemm_avx512_bf16::<true>(c, ldc, a, lda, b, ldb, m, n, kp, accumulate)
+            } else {
+                x86::gemm_avx512_bf16::<false>(c, ldc, a, lda, b, ldb, m, n, kp, accumulate)
+            }
+        };
     }
     let _ = fast;
     let widen = |w: Bf16Pair| (f32::from_bits(w << 16), f32::from_bits(w & 0xFFFF_0000));
@@ -201,7 +226,7 @@ pub fn gemm_bf16_with(
             ci.fill(0.0);
         }
         for p in 0..kp {
-            let (a0, a1) = widen(a[i * lda + p]);
+            let (a0, a1) = widen(if trans_a { a[a_index::<true>(i, p, lda)] } else { a[a_index::<false>(i, p, lda)] });
             for (cij, &bw) in ci.iter_mut().zip(&b[p * ldb..p * ldb + n]) {
                 let (b0, b1) = widen(bw);
                 *cij += a0 * b0 + a1 * b1;
@@ -385,7 +410,7 @@ mod x86 {
     /// AVX-512F and AVX-512 BF16 available; all accesses in bounds (`gemm_bf16_with` asserts it).
     #[target_feature(enable = "avx512f,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemm_avx512_bf16(
+    pub unsafe fn gemm_avx512_bf16<const TA: bool>(
         c: &mut [f32],
         ldc: usize,
         a: &[u32],
@@ -415,14 +440,14 @@ mod x86 {
                 // SAFETY: forwarded from the caller; rows <= MR512, columns masked to n.
                 unsafe {
                     match rows {
-                        8 => tile512_bf16::<8>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        7 => tile512_bf16::<7>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        6 => tile512_bf16::<6>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        5 => tile512_bf16::<5>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        4 => tile512_bf16::<4>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        3 => tile512_bf16::<3>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        2 => tile512_bf16::<2>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        _ => tile512_bf16::<1>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        8 => tile512_bf16::<8, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        7 => tile512_bf16::<7, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        6 => tile512_bf16::<6, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        5 => tile512_bf16::<5, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        4 => tile512_bf16::<4, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        3 => tile512_bf16::<3, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        2 => tile512_bf16::<2, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        _ => tile512_bf16::<1, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
                     }
                 }
                 i += rows;
@@ -439,7 +464,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bf16")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn tile512_bf16<const R: usize>(
+    unsafe fn tile512_bf16<const R: usize, const TA: bool>(
         c: *mut f32,
         ldc: usize,
         a: *const u32,
@@ -464,7 +489,8 @@ mod x86 {
                 // wrapping_add: with m1 = 0 the address may lie past the view and is never read.
                 let b1: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi32(m1, brow.wrapping_add(16).cast()));
                 for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add((i + r) * lda + p) as i32));
+                    let av: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*a.add(super::a_index::<TA>(i + r, p, lda)) as i32));
                     acc_r[0] = _mm512_dpbf16_ps(acc_r[0], av, b0);
                     acc_r[1] = _mm512_dpbf16_ps(acc_r[1], av, b1);
                 }
@@ -631,9 +657,11 @@ mod tests {
             let a: Vec<u32> = (0..m * kp).map(|_| bf16(&mut rng) | bf16(&mut rng) << 16).collect();
             let b: Vec<u32> = (0..kp * n).map(|_| bf16(&mut rng) | bf16(&mut rng) << 16).collect();
             let init: Vec<f32> = (0..m * n).map(|x| x as f32 * 0.25).collect();
-            for (fast, accumulate) in [(true, false), (true, true), (false, false), (false, true)] {
+            let at: Vec<u32> = (0..kp * m).map(|idx| a[(idx % m) * kp + idx / m]).collect();
+            for (fast, accumulate, trans_a) in (0..8).map(|x| (x & 1 != 0, x & 2 != 0, x & 4 != 0)) {
                 let mut c = init.clone();
-                gemm_bf16_with(fast, &mut c, n, &a, kp, &b, n, (m, n, kp), accumulate);
+                let (a_op, lda) = if trans_a { (&at, m) } else { (&a, kp) };
+                gemm_bf16_with(fast, &mut c, n, a_op, lda, trans_a, &b, n, (m, n, kp), accumulate);
                 for i in 0..m {
                     for j in 0..n {
                         let dot: f64 = (0..kp)
@@ -646,7 +674,7 @@ mod tests {
                         let got = c[i * n + j] as f64;
                         assert!(
                             (got - want).abs() <= 1e-5 * (2.0 * kp as f64).sqrt() * (1.0 + want.abs()),
-                            "fast={fast} {m}x{n}x{kp} acc={accumulate} [{i},{j}]: {got} vs {want}"
+                            "fast={fast} ta={trans_a} {m}x{n}x{kp} acc={accumulate} [{i},{j}]: {got} vs {want}"
                         );
                     }
                 }

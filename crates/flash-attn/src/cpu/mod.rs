@@ -216,6 +216,17 @@ pub fn backward_into<T: Element>(
     fill_uncovered_keys(g, dk, dk_layout, dv, dv_layout);
     let dq_acc_sink = Sink::new(&mut dq_acc);
     let (dk_sink, dv_sink) = (Sink::new(dk.data_mut()), Sink::new(dv.data_mut()));
+    let bf16 = match (
+        pairs::bf16_bits(q.data()),
+        pairs::bf16_bits(k.data()),
+        pairs::bf16_bits(v.data()),
+        pairs::bf16_bits(dout.data()),
+    ) {
+        (Some(q), Some(k), Some(v), Some(dout)) if gemm::bf16_pairs_fast() => {
+            Some(backward::Bf16Inputs { q, k, v, dout })
+        }
+        _ => None,
+    };
     let ctx = backward::Context {
         g,
         q: q.data(),
@@ -232,6 +243,7 @@ pub fn backward_into<T: Element>(
         dv_layout,
         tiles,
         chunks,
+        bf16,
     };
     let mut units = Vec::new();
     for s in 0..g.seqs.len() {
@@ -243,7 +255,7 @@ pub fn backward_into<T: Element>(
     }
     for_each_dynamic(
         &units,
-        || backward::Scratch::new(g, tiles),
+        || backward::Scratch::new(g, tiles, bf16.is_some()),
         |sc, &(s, kv_head, chunk)| ctx.kv_unit(sc, s, kv_head, chunk),
     );
 

@@ -28,10 +28,13 @@ fn pair(lo: u16, hi: u16) -> Bf16Pair {
     lo as u32 | (hi as u32) << 16
 }
 
-/// Word `p` of a row of `dim` elements: elements `2p` and `2p + 1` (zero past the end).
+/// The words of a row: elements `2p` and `2p + 1` in word `p`, an odd last element paired with
+/// zero. (For an even length these are the row's bytes read as little-endian `u32`.)
 #[inline(always)]
-fn row_word(row: &[u16], p: usize) -> Bf16Pair {
-    pair(row[2 * p], row.get(2 * p + 1).copied().unwrap_or(0))
+fn row_words(row: &[u16]) -> impl Iterator<Item = Bf16Pair> + '_ {
+    let pairs = row.chunks_exact(2);
+    let last = pairs.remainder().first().map(|&lo| pair(lo, 0));
+    pairs.map(|two| pair(two[0], two[1])).chain(last)
 }
 
 /// Rows `rows` of head `head` as pairs along the row: `dst[r · ld + p]` = elements `2p, 2p + 1`
@@ -51,8 +54,8 @@ pub(super) fn pack_rows(
     for (r, i) in rows.enumerate() {
         let at = layout.row(seq, start, i, head);
         let row = &src[at..at + dim];
-        for (p, w) in dst[r * ld..r * ld + dim.div_ceil(2)].iter_mut().enumerate() {
-            *w = row_word(row, p);
+        for (w, x) in dst[r * ld..r * ld + dim.div_ceil(2)].iter_mut().zip(row_words(row)) {
+            *w = x;
         }
     }
 }
@@ -71,11 +74,26 @@ pub(super) fn pack_rows_transposed(
     head: usize,
     dim: usize,
 ) {
-    for (c, j) in rows.enumerate() {
-        let at = layout.row(seq, start, j, head);
-        let row = &src[at..at + dim];
-        for p in 0..dim.div_ceil(2) {
-            dst[p * ld + c] = row_word(row, p);
+    // Sixteen rows at a time, so each word of the result is written as part of a 64-byte run
+    // (row by row, every word lands on a different line of `dst`).
+    const GROUP: usize = 16;
+    let words = dim / 2;
+    for c0 in (0..rows.len()).step_by(GROUP) {
+        let n = GROUP.min(rows.len() - c0);
+        let mut group = [&src[..0]; GROUP];
+        for (g, row) in group.iter_mut().zip(rows.start + c0..).take(n) {
+            let at = layout.row(seq, start, row, head);
+            *g = &src[at..at + dim];
+        }
+        for p in 0..words {
+            for (w, row) in dst[p * ld + c0..p * ld + c0 + n].iter_mut().zip(&group) {
+                *w = pair(row[2 * p], row[2 * p + 1]);
+            }
+        }
+        if dim % 2 == 1 {
+            for (w, row) in dst[words * ld + c0..words * ld + c0 + n].iter_mut().zip(&group) {
+                *w = pair(row[dim - 1], 0);
+            }
         }
     }
 }
@@ -132,6 +150,22 @@ pub(super) fn narrow_to_pairs(dst: &mut [Bf16Pair], src: &[f32]) {
     }
 }
 
+/// Two rows rounded to `bf16` (nearest even) and interleaved: `dst[c]` = `lo[c], hi[c]` (zero
+/// when `hi` is `None`) — a row of `P` or `dS` paired along the query rows.
+pub(super) fn narrow_row_pairs(dst: &mut [Bf16Pair], lo: &[f32], hi: Option<&[f32]>) {
+    let n = lo.len();
+    assert!(dst.len() >= n && hi.is_none_or(|h| h.len() >= n), "narrow_row_pairs: lengths");
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm::bf16_pairs_fast() {
+        // SAFETY: AVX-512F and AVX-512 BF16 are available (checked above); lengths checked.
+        return unsafe { x86::narrow_row_pairs(dst, lo, hi) };
+    }
+    let round = |x: f32| half::bf16::from_f32(x).to_bits();
+    for (c, w) in dst[..n].iter_mut().enumerate() {
+        *w = pair(round(lo[c]), hi.map_or(0, |h| round(h[c])));
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -142,6 +176,34 @@ mod x86 {
             0xFFFF
         } else {
             ((1u32 << k) - 1) as u16
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F and AVX-512 BF16 available; `dst` and `hi` at least as long as `lo`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn narrow_row_pairs(dst: &mut [u32], lo: &[f32], hi: Option<&[f32]>) {
+        let n = lo.len();
+        let dp = dst.as_mut_ptr();
+        let mut j = 0;
+        while j < n {
+            let k = mask((n - j).min(16));
+            // SAFETY: loads and the store masked to the valid lanes from `j`, in bounds by the
+            // caller's contract. Each row becomes 16 bf16 in a 256-bit half, zero-extended to
+            // 32-bit lanes; the second row is shifted into the high halves.
+            unsafe {
+                let bits = |row: &[f32]| {
+                    let b: __m256i =
+                        std::mem::transmute(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, row.as_ptr().add(j))));
+                    _mm512_cvtepu16_epi32(b)
+                };
+                let mut w = bits(lo);
+                if let Some(hi) = hi {
+                    w = _mm512_or_si512(w, _mm512_slli_epi32::<16>(bits(hi)));
+                }
+                _mm512_mask_storeu_epi32(dp.add(j).cast(), k, w);
+            }
+            j += 16;
         }
     }
 
@@ -183,5 +245,20 @@ mod tests {
         }
         assert_eq!(dst[18] >> 16, 0, "odd tail padded with zero");
         assert_eq!(dst[19], u32::MAX, "nothing written past the pairs");
+    }
+
+    #[test]
+    fn row_pairs_interleave_two_rounded_rows() {
+        let lo: Vec<f32> = (0..21).map(|i| i as f32 * 0.377 - 3.1).collect();
+        let hi: Vec<f32> = (0..21).map(|i| 1.0 / (i as f32 + 0.7)).collect();
+        let round = |x: f32| half::bf16::from_f32(x).to_bits() as u32;
+        for hi_row in [Some(&hi[..]), None] {
+            let mut dst = vec![u32::MAX; 22];
+            narrow_row_pairs(&mut dst, &lo, hi_row);
+            for c in 0..21 {
+                assert_eq!(dst[c], round(lo[c]) | hi_row.map_or(0, |h| round(h[c])) << 16, "column {c}");
+            }
+            assert_eq!(dst[21], u32::MAX, "nothing written past the row");
+        }
     }
 }
