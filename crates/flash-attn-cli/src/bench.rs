@@ -9,8 +9,10 @@
 //!
 //! On `--device cuda` (cuda builds; f16/bf16) the inputs, outputs (and with `--backward` `dout` and
 //! the gradients) are device buffers made before timing, and each timed call sits between its own pair of CUDA events (see
-//! [`crate::gpu`]); the grid is BENCH.md's `gpu` grid and peak memory is not measured
-//! (`peak_extra_bytes` and `bwd_peak_extra_bytes` are `null`).
+//! [`crate::gpu`]); the grid is BENCH.md's `gpu` grid. Peak extra memory is the device memory
+//! pool's high-water mark over one extra call beyond what was in use before it (`null` where the
+//! device has no memory pools); with `--backward`, `bwd_peak_extra_bytes` is that of one forward
+//! plus one backward (the forward allocates nothing of its own).
 //!
 //! `--memory --plot FILE.svg` draws the memory table's measurements as a figure (runtime and peak
 //! extra memory vs N, see [`crate::plot`]); nothing is measured twice.
@@ -186,7 +188,8 @@ struct Measurement {
     runs: usize,
     /// FLOP/s at the median, FlashAttention's count.
     gflops: f64,
-    /// Peak heap bytes of one forward call beyond what was live before it (`None` on cuda).
+    /// Peak heap bytes of one forward call beyond what was live before it (on cuda: device memory,
+    /// see [`crate::gpu`]; `None` where it cannot be read).
     peak_extra: Option<usize>,
     /// One forward plus one backward, with `--backward`.
     fwdbwd: Option<FwdBwd>,
@@ -202,8 +205,9 @@ struct FwdBwd {
     /// FLOP/s at the median, with FLOPs = 3.5 × forward (BENCH.md).
     gflops: f64,
     /// Peak heap bytes of one backward call beyond what was live before it (its inputs and the
-    /// preallocated gradients not counted): the `f32` dQ accumulator, `D` and scratch. `None` on
-    /// cuda (host heap says nothing about device memory).
+    /// preallocated gradients not counted): the `f32` dQ accumulator, `D` and scratch. On cuda the
+    /// device memory pool's high-water mark over a forward plus a backward (see [`crate::gpu`]),
+    /// `None` where it cannot be read.
     bwd_peak_extra: Option<usize>,
 }
 
@@ -454,7 +458,7 @@ fn measure_cuda_typed<T: GpuElement>(p: &Problem, backward: bool) -> Result<Meas
             ms: t.ms,
             runs: t.runs,
             gflops: FWDBWD_FLOPS_FACTOR * flops / (t.ms * 1e6),
-            bwd_peak_extra: None,
+            bwd_peak_extra: t.peak_extra,
         })
     } else {
         None
@@ -463,7 +467,7 @@ fn measure_cuda_typed<T: GpuElement>(p: &Problem, backward: bool) -> Result<Meas
         fwd_ms: timing.ms,
         runs: timing.runs,
         gflops: flops / (timing.ms * 1e6),
-        peak_extra: None,
+        peak_extra: timing.peak_extra,
         fwdbwd,
     })
 }

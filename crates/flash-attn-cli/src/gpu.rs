@@ -23,6 +23,10 @@ pub struct Timing {
     pub ms: f64,
     /// Timed runs behind the median.
     pub runs: usize,
+    /// Peak device memory one call allocated beyond what was in use before it (the inputs and
+    /// outputs made beforehand not counted), from the memory pool's high-water mark; `None`
+    /// where the device has no memory pools.
+    pub peak_extra: Option<usize>,
 }
 
 /// What compiling one kernel variant for one architecture gave.
@@ -308,6 +312,15 @@ mod imp {
             call()?;
         }
         stream.synchronize().map_err(driver("synchronize"))?;
+        // One more call between two readings of the pool: its peak extra device memory.
+        let before = dev.memory_in_use()?;
+        dev.reset_memory_peak()?;
+        call()?;
+        stream.synchronize().map_err(driver("synchronize"))?;
+        let peak_extra = match (before, dev.memory_in_use()?) {
+            (Some((current, _)), Some((_, high))) => Some(high.saturating_sub(current) as usize),
+            _ => None,
+        };
         let (start, end) = (event()?, event()?);
         start.record(stream).map_err(driver("event record"))?;
         call()?;
@@ -332,7 +345,7 @@ mod imp {
         times.sort_by(f64::total_cmp);
         let n = times.len();
         let ms = if n % 2 == 1 { times[n / 2] } else { 0.5 * (times[n / 2 - 1] + times[n / 2]) };
-        Ok(Timing { ms, runs: n })
+        Ok(Timing { ms, runs: n, peak_extra })
     }
 
     macro_rules! cuda_element {

@@ -173,6 +173,46 @@ impl Device {
         Ok(f)
     }
 
+    /// The device's default stream-ordered memory pool, which every allocation of this backend
+    /// (and of [`Device::upload`]) draws from; `None` where the device has no memory pools.
+    fn pool(&self) -> Result<Option<sys::CUmemoryPool>> {
+        if !self.ctx.has_async_alloc() {
+            return Ok(None);
+        }
+        self.ctx.bind_to_thread().map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+        // SAFETY: the context is current and its device ordinal valid.
+        let pool = unsafe { cudarc::driver::result::device::get_default_mem_pool(self.ctx.cu_device()) }
+            .map_err(|e| driver_error("cuDeviceGetDefaultMemPool", e))?;
+        Ok(Some(pool))
+    }
+
+    /// Bytes of the default memory pool in use now and the most in use since the last
+    /// [`Device::reset_memory_peak`] (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT` / `_HIGH`), or `None`
+    /// where the device has no memory pools. Synchronise the stream first for a settled count.
+    pub fn memory_in_use(&self) -> Result<Option<(u64, u64)>> {
+        let Some(pool) = self.pool()? else { return Ok(None) };
+        let (mut current, mut high) = (0u64, 0u64);
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT;
+        // SAFETY: valid pool; both attributes are cuuint64_t.
+        unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut current as *mut u64).cast()) }
+            .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: as above.
+        unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut high as *mut u64).cast()) }
+            .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
+        Ok(Some((current, high)))
+    }
+
+    /// Resets the pool's high-water mark to the bytes in use now (see [`Device::memory_in_use`]).
+    pub fn reset_memory_peak(&self) -> Result<()> {
+        let Some(pool) = self.pool()? else { return Ok(()) };
+        let mut zero = 0u64;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: valid pool; the attribute is a cuuint64_t, and 0 is the only value it accepts.
+        unsafe { cudarc::driver::result::mem_pool::set_attribute(pool, attr, (&mut zero as *mut u64).cast()) }
+            .map_err(|e| driver_error("cuMemPoolSetAttribute", e))
+    }
+
     /// Copies a host slice to a new device buffer.
     pub fn upload<T: CudaElement>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         self.stream.clone_htod(host).map_err(|e| driver_error("upload", e))
