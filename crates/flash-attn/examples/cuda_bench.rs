@@ -70,8 +70,6 @@ fn random_case(rng: &mut Rng) -> Case {
     c.dtype = rng.pick(&[DType::BF16, DType::F16]);
     c.d = rng.pick(&[64, 128]);
     c.dv = c.d;
-    c.softcap = None;
-    c.alibi = None;
     c.block = None;
     if rng.chance(0.3) {
         // Longer sequences: several key tiles, several query tiles, odd tails.
@@ -156,7 +154,13 @@ fn sanitize() -> Result<()> {
         c.window = None;
         let rep = run_case::<bf16>(&c)?;
         println!("sanitize case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
-        for (dropout, deterministic) in [(None, false), (Some((0.3f32, 99u64, 5u32)), true)] {
+        for (dropout, deterministic, mods) in
+            [(None, false, false), (Some((0.3f32, 99u64, 5u32)), true, false), (Some((0.2, 7, 1)), false, true)]
+        {
+            let mut c = c.clone();
+            if mods {
+                (c.softcap, c.alibi) = (Some(12.0), Some(true));
+            }
             let data = c.data::<bf16>();
             let mut spec = c.spec(&data);
             if let Some((p, seed, offset)) = dropout {
@@ -173,7 +177,7 @@ fn sanitize() -> Result<()> {
             let grads = cuda::backward_host(&spec, &q, &k, &v, &out, &fwd.lse, &dout)?;
             let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype)?;
             println!(
-                "sanitize case {i} backward (dropout {dropout:?}, deterministic {deterministic}): {}",
+                "sanitize case {i} backward (dropout {dropout:?}, deterministic {deterministic}, softcap+ALiBi {mods}): {}",
                 if rep.passed() { "pass".to_string() } else { format!("FAIL {rep}") }
             );
         }

@@ -22,7 +22,9 @@ fn missing_driver_or_nvrtc_is_an_error_not_a_panic() {
 fn unsupported_options_are_typed_errors() {
     let x = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 64];
     let t = Tensor::new(&x, &[2, 8, 2, 64]);
-    let r = cuda::forward_host(&AttentionSpec::new().softcap(30.0), &t, &t, &t);
+    let mask = [1u8, 0, 1, 1];
+    let spec = AttentionSpec::new().block_mask(Tensor::new(&mask, &[2, 2]), 4, 4);
+    let r = cuda::forward_host(&spec, &t, &t, &t);
     assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
     let y = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 96];
     let t = Tensor::new(&y, &[2, 8, 2, 96]);
@@ -54,7 +56,7 @@ fn forward_meets_the_numerics_contract_on_random_cases() {
         c.dtype = DType::BF16;
         c.d = rng.pick(&[64, 128]);
         c.dv = c.d;
-        (c.softcap, c.alibi, c.block) = (None, None, None);
+        c.block = None;
         if let Storage::Strided { .. } = c.storage {
             c.storage = Storage::Strided { pad: 8 };
         }
@@ -102,7 +104,7 @@ fn random_cuda_case(rng: &mut Rng) -> Case {
     c.dtype = rng.pick(&[DType::BF16, DType::F16]);
     c.d = rng.pick(&[64, 128]);
     c.dv = c.d;
-    (c.softcap, c.alibi, c.block) = (None, None, None);
+    c.block = None;
     if let Storage::Strided { .. } = c.storage {
         c.storage = Storage::Strided { pad: 8 };
     }

@@ -40,6 +40,9 @@ pub struct Variant {
     pub bc: usize,
     /// Warps per block.
     pub warps: usize,
+    /// Whether dropout, softcap and ALiBi are compiled in (`FA_EXTRAS`); the variants without
+    /// them keep the plain path's registers.
+    pub extras: bool,
 }
 
 /// Head dimensions the CUDA forward supports (`d == dv`).
@@ -63,7 +66,8 @@ impl Variant {
 
     /// A name that says everything that changes the binary, e.g. `flash_fwd_bf16_d128_m1_n64_w8`.
     pub fn name(&self) -> String {
-        format!("flash_fwd_{}_d{}_m{}_n{}_w{}", self.dtype.name(), self.d, self.mt, self.bc, self.warps)
+        let x = if self.extras { "_x" } else { "" };
+        format!("flash_fwd_{}_d{}_m{}_n{}_w{}{x}", self.dtype.name(), self.d, self.mt, self.bc, self.warps)
     }
 
     /// NVRTC options selecting this variant.
@@ -77,6 +81,7 @@ impl Variant {
             format!("-DFA_BC={}", self.bc),
             format!("-DFA_WARPS={}", self.warps),
             format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
+            format!("-DFA_EXTRAS={}", u8::from(self.extras)),
         ]
     }
 
@@ -87,7 +92,12 @@ impl Variant {
         if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
             return None;
         }
-        Some(Variant { dtype, d, mt: 2, bc: 64, warps: 4 })
+        Some(Variant { dtype, d, mt: 2, bc: 64, warps: 4, extras: false })
+    }
+
+    /// This variant with the extras (dropout, softcap, ALiBi) compiled in or not.
+    pub fn with_extras(self, extras: bool) -> Variant {
+        Variant { extras, ..self }
     }
 
     /// Every variant that is compiled by `compile_all` and can be benchmarked.
@@ -96,7 +106,10 @@ impl Variant {
         for dtype in [DType::BF16, DType::F16] {
             for d in HEAD_DIMS {
                 for (mt, bc, warps) in [(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)] {
-                    v.push(Variant { dtype, d, mt, bc, warps });
+                    v.push(Variant { dtype, d, mt, bc, warps, extras: false });
+                }
+                if let Some(x) = Variant::default_for(dtype, d) {
+                    v.push(x.with_extras(true));
                 }
             }
         }
@@ -115,6 +128,8 @@ pub struct BwdVariant {
     pub br: usize,
     /// Warps per block; each owns 16 keys, so a block holds `16 · warps` keys (`Bc`).
     pub warps: usize,
+    /// Whether dropout, softcap and ALiBi are compiled in (`FA_EXTRAS`).
+    pub extras: bool,
 }
 
 impl BwdVariant {
@@ -137,7 +152,8 @@ impl BwdVariant {
 
     /// A name that says everything that changes the binary, e.g. `flash_bwd_bf16_d128_r64_w4`.
     pub fn name(&self) -> String {
-        format!("flash_bwd_{}_d{}_r{}_w{}", self.dtype.name(), self.d, self.br, self.warps)
+        let x = if self.extras { "_x" } else { "" };
+        format!("flash_bwd_{}_d{}_r{}_w{}{x}", self.dtype.name(), self.d, self.br, self.warps)
     }
 
     /// NVRTC options selecting this variant.
@@ -150,6 +166,7 @@ impl BwdVariant {
             format!("-DFA_BR={}", self.br),
             format!("-DFA_WARPS={}", self.warps),
             format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
+            format!("-DFA_EXTRAS={}", u8::from(self.extras)),
         ]
     }
 
@@ -159,7 +176,12 @@ impl BwdVariant {
         if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
             return None;
         }
-        Some(BwdVariant { dtype, d, br: 64, warps: 8 })
+        Some(BwdVariant { dtype, d, br: 64, warps: 8, extras: false })
+    }
+
+    /// This variant with the extras (dropout, softcap, ALiBi) compiled in or not.
+    pub fn with_extras(self, extras: bool) -> BwdVariant {
+        BwdVariant { extras, ..self }
     }
 
     /// Every variant that is compiled by `compile_all` and can be benchmarked.
@@ -169,7 +191,10 @@ impl BwdVariant {
             for d in HEAD_DIMS {
                 // (128, 4) was measured too (docs/cuda-notes.md): slower everywhere and it spills.
                 for (br, warps) in [(64, 4), (64, 8)] {
-                    v.push(BwdVariant { dtype, d, br, warps });
+                    v.push(BwdVariant { dtype, d, br, warps, extras: false });
+                }
+                if let Some(x) = BwdVariant::default_for(dtype, d) {
+                    v.push(x.with_extras(true));
                 }
             }
         }

@@ -48,6 +48,38 @@ struct FwdParams {
     scale_log2: f32,
     longest_first: i32,
     dropout: DropoutParams,
+    score_mod: ScoreMod,
+}
+
+/// `ScoreMod` in `kernels/mask.cuh`: softcap and ALiBi.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ScoreMod {
+    alibi: u64,
+    softcap: f32,
+    scale: f32,
+}
+
+/// Whether a problem needs the variants with the extras compiled in.
+pub(crate) fn needs_extras(g: &Geometry<'_>) -> bool {
+    g.dropout.is_some_and(|d| d.p > 0.0) || g.softcap.is_some() || g.alibi.is_some()
+}
+
+/// ALiBi slopes as the kernels read them, `[batch][hq]`, on the device (`None` without ALiBi).
+fn upload_alibi(dev: &Device, g: &Geometry<'_>) -> Result<Option<CudaSlice<f32>>> {
+    if g.alibi.is_none() {
+        return Ok(None);
+    }
+    let mut slopes = Vec::with_capacity(g.seqs.len() * g.hq);
+    for seq in &g.seqs {
+        for h in 0..g.hq {
+            slopes.push(g.alibi_slope(seq, h).unwrap_or(0.0));
+        }
+    }
+    if slopes.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(dev.stream().clone_htod(&slopes).map_err(|e| driver_error("upload ALiBi slopes", e))?))
 }
 
 /// The backward kernels' parameters; field for field `BwdParams` in `kernels/flash_bwd.cuh`.
@@ -87,6 +119,7 @@ struct BwdParams {
     scale: f32,
     deterministic: i32,
     dropout: DropoutParams,
+    score_mod: ScoreMod,
 }
 
 /// `DropoutParams` in `kernels/philox.cuh`.
@@ -132,12 +165,6 @@ fn check_supported(g: &Geometry<'_>, dtype: DType, pass: &str) -> Result<()> {
     if g.d != g.dv {
         return unsupported(&format!("d = {} with dv = {}", g.d, g.dv));
     }
-    if g.softcap.is_some() {
-        return unsupported("softcap");
-    }
-    if g.alibi.is_some() {
-        return unsupported("ALiBi");
-    }
     if g.block.is_some() {
         return unsupported("block-sparse masks");
     }
@@ -150,13 +177,17 @@ fn check_supported(g: &Geometry<'_>, dtype: DType, pass: &str) -> Result<()> {
 /// The forward variant for this problem, or why the CUDA forward cannot run it.
 pub(crate) fn supported(g: &Geometry<'_>, dtype: DType) -> Result<Variant> {
     check_supported(g, dtype, "forward")?;
-    Variant::default_for(dtype, g.d).ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
+    Variant::default_for(dtype, g.d)
+        .map(|v| v.with_extras(needs_extras(g)))
+        .ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
 }
 
 /// The backward variant for this problem, or why the CUDA backward cannot run it.
 pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType) -> Result<BwdVariant> {
     check_supported(g, dtype, "backward")?;
-    BwdVariant::default_for(dtype, g.d).ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
+    BwdVariant::default_for(dtype, g.d)
+        .map(|v| v.with_extras(needs_extras(g)))
+        .ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
 }
 
 fn i32_of(what: &str, x: usize) -> Result<i32> {
@@ -234,6 +265,21 @@ pub(crate) fn forward<T: CudaElement>(
     };
 
     let cu = upload_cu_seqlens(dev, g)?;
+    let alibi = upload_alibi(dev, g)?;
+    let (alibi_ptr, _alibi_sync) = match &alibi {
+        Some(a) => {
+            let (p, s) = a.device_ptr(stream);
+            (p, Some(s))
+        }
+        None => (0, None),
+    };
+    let score_mod = ScoreMod { alibi: alibi_ptr, softcap: g.softcap.unwrap_or(0.0), scale: g.scale };
+    if needs_extras(g) && !variant.extras {
+        return Err(Error::Unsupported(format!(
+            "variant {} has no dropout, softcap or ALiBi compiled in; use its `_x` twin",
+            variant.name()
+        )));
+    }
 
     let elem = std::mem::size_of::<T>();
     let (qp, _q_sync) = q.data.device_ptr(stream);
@@ -293,6 +339,7 @@ pub(crate) fn forward<T: CudaElement>(
         scale_log2: g.scale * std::f32::consts::LOG2_E,
         longest_first: i32::from(g.causal != Causal::None),
         dropout: DropoutParams::of(g),
+        score_mod,
     };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
@@ -364,6 +411,21 @@ pub(crate) fn backward<T: CudaElement>(
     let sems = if deterministic { batch * g.hq * num_m_blocks } else { 1 };
     let mut dq_sem = stream.alloc_zeros::<i32>(sems.max(1)).map_err(|e| alloc("alloc semaphores", e))?;
     let cu = upload_cu_seqlens(dev, g)?;
+    let alibi = upload_alibi(dev, g)?;
+    let (alibi_ptr, _alibi_sync) = match &alibi {
+        Some(a) => {
+            let (p, s) = a.device_ptr(stream);
+            (p, Some(s))
+        }
+        None => (0, None),
+    };
+    let score_mod = ScoreMod { alibi: alibi_ptr, softcap: g.softcap.unwrap_or(0.0), scale: g.scale };
+    if needs_extras(g) && !variant.extras {
+        return Err(Error::Unsupported(format!(
+            "variant {} has no dropout, softcap or ALiBi compiled in; use its `_x` twin",
+            variant.name()
+        )));
+    }
 
     let (qp, _q_sync) = x.q.data.device_ptr(stream);
     let (kp, _k_sync) = x.k.data.device_ptr(stream);
@@ -446,6 +508,7 @@ pub(crate) fn backward<T: CudaElement>(
         scale: g.scale,
         deterministic: i32::from(deterministic),
         dropout: DropoutParams::of(g),
+        score_mod,
     };
     i32_of("query rows x heads", g.total_q * g.hq)?;
     i32_of("key rows x heads", g.total_k * g.hk)?;

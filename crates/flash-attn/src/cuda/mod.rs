@@ -19,11 +19,12 @@
 //! ```
 //!
 //! Supported today, forward and backward: `f16`/`bf16`, `d == dv ∈ {64, 128}`, causal
-//! (bottom-right and top-left), sliding windows, GQA/MQA (gradients summed into the `hk` heads on
-//! chip), fixed-length and varlen batches, dropout (the CPU's Philox keep mask, bit for bit),
-//! strided inputs whose strides are multiples of 8 elements; a deterministic backward
-//! ([`AttentionSpec::deterministic`]). Softcap, ALiBi and block-sparse masks return
-//! [`Error::Unsupported`].
+//! (bottom-right and top-left), sliding windows, softcap, ALiBi, GQA/MQA (gradients summed into
+//! the `hk` heads on chip), fixed-length and varlen batches, dropout (the CPU's Philox keep mask,
+//! bit for bit), strided inputs whose strides are multiples of 8 elements; a deterministic
+//! backward ([`AttentionSpec::deterministic`]). Dropout, softcap and ALiBi run on kernel variants
+//! with those paths compiled in (`..._x`), so plain attention keeps its registers. Block-sparse
+//! masks return [`Error::Unsupported`].
 
 mod kernels;
 mod launch;

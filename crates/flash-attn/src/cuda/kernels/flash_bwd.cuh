@@ -26,6 +26,9 @@
 #ifndef FA_WARPS
 #define FA_WARPS 4
 #endif
+#ifndef FA_EXTRAS
+#define FA_EXTRAS 0  // 1: dropout, softcap and ALiBi compiled in (variants named `..._x`)
+#endif
 #ifndef FA_BF16
 #define FA_BF16 1
 #endif
@@ -66,6 +69,7 @@ struct BwdParams {
     float scale;                    // softmax scale
     int deterministic;
     DropoutParams dropout;
+    ScoreMod mod;
 };
 
 // Position of flattened query token `tok` (b·sq + i for fixed length, the packed index for
@@ -301,6 +305,8 @@ struct FlashBwd {
         if (col0 >= sk) return;
         const int keys_valid = min(BC, sk - col0);
         const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+        const int off = sk - sq;
+        const bool modded = FA_EXTRAS != 0 && p.mod.active();
 
         // The query tiles that see this key tile: those whose key range (as the forward and the
         // deterministic ordering compute it) covers it. Monotone spans make them contiguous.
@@ -359,6 +365,7 @@ struct FlashBwd {
 
             const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
             const int rows_valid = min(BR, sq - row0), buf = w & 1;
+            const float slope = p.mod.slope(b, h, p.hq);
             // The lane id, opaque to the compiler for this iteration: otherwise ptxas hoists every
             // swizzled fragment address out of the loop into its own register and spills.
             int lane;
@@ -385,14 +392,22 @@ struct FlashBwd {
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const int key = col0 + warp_key + g + 8 * r;
-                        float x = fast_exp2(fmaf(s[nt].x[2 * r + c], p.scale_log2, -l));
+                        float e;
+                        if (modded) {
+                            float th;
+                            const float xm = p.mod.apply(s[nt].x[2 * r + c] * p.mod.scale, slope, row0 + col + off - key, th);
+                            e = fmaf(xm, FA_LOG2E, -l);
+                        } else {
+                            e = fmaf(s[nt].x[2 * r + c], p.scale_log2, -l);
+                        }
+                        float x = fast_exp2(e);
                         if (!full && (key < lo || key >= hi)) x = 0.f;
                         s[nt].x[2 * r + c] = x;
                     }
                 }
 
             u32 bits[(NT + 7) / 8];
-            const bool drop = p.dropout.enabled;
+            const bool drop = FA_EXTRAS != 0 && p.dropout.enabled;
             if (drop) keep_bits(bits, p.dropout, (u32)(b * p.hq + h), row0, col0 + warp_key, lane);
 
             // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p).
@@ -433,13 +448,29 @@ struct FlashBwd {
                 for (int c = 0; c < 2; ++c) {
                     const int col = 8 * nt + 2 * t + c;
                     const float dd = ld_shared_f32(sD + 4 * col);
+                    // Softcap: dS is also multiplied by d(c·tanh(x/c))/dx = 1 - tanh². tanh is
+                    // recovered from P: the modified score is (log2 P + lse·log2 e)·ln 2 (plus the
+                    // ALiBi bias taken off it), so no register holds it across the products.
+                    float l2 = 0.f;
+                    if (FA_EXTRAS != 0 && p.mod.softcap > 0.f) {
+                        l2 = ld_shared_f32(sL + 4 * col);
+                        l2 = (l2 == -FA_INF) ? FA_INF : l2 * FA_LOG2E;
+                    }
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         float x = dp[nt].x[2 * r + c];
                         if (drop) x *= kept(bits, nt, r, c) ? p.dropout.scale : 0.f;
                         const float pr = s[nt].x[2 * r + c];
                         // A hidden pair's dS is 0 even where dPᵀ is not finite.
-                        dp[nt].x[2 * r + c] = pr == 0.f ? 0.f : pr * (x - dd);
+                        float ds = pr == 0.f ? 0.f : pr * (x - dd);
+                        if (FA_EXTRAS != 0 && p.mod.softcap > 0.f && pr != 0.f) {
+                            const int key = col0 + warp_key + g + 8 * r;
+                            float sm = (__log2f(pr) + l2) * FA_LN2;
+                            if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
+                            const float th = sm / p.mod.softcap;
+                            ds *= 1.f - th * th;
+                        }
+                        dp[nt].x[2 * r + c] = ds;
                     }
                 }
 #pragma unroll

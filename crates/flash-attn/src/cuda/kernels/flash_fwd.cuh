@@ -21,6 +21,9 @@
 #ifndef FA_WARPS
 #define FA_WARPS 4
 #endif
+#ifndef FA_EXTRAS
+#define FA_EXTRAS 0  // 1: dropout, softcap and ALiBi compiled in (variants named `..._x`)
+#endif
 #ifndef FA_BF16
 #define FA_BF16 1
 #endif
@@ -47,6 +50,7 @@ struct FwdParams {
     float scale_log2;               // softmax scale · log2(e)
     int longest_first;              // order blocks longest key range first (causal)
     DropoutParams dropout;
+    ScoreMod mod;
 };
 
 template <int D, int MT, int BC, int WARPS, bool BF16>
@@ -90,6 +94,27 @@ struct FlashFwd {
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][nt].x[e] *= scale_log2;
+    }
+
+    // Softcap and ALiBi on scores that arrive as scale · q·k (natural units), leaving them in
+    // exp2 units like `scores` does without modifiers.
+    static __device__ __forceinline__ void apply_mod(FragC (&s)[MT][NT], const ScoreMod& mod, float slope, int off,
+                                                     int row0, int col0, int lane) {
+        int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = row0 + 16 * mt + g + 8 * r;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int j = col0 + 8 * nt + 2 * t + c;
+                        float tanh_unused;
+                        s[mt][nt].x[2 * r + c] = mod.apply(s[mt][nt].x[2 * r + c], slope, i + off - j, tanh_unused) * FA_LOG2E;
+                    }
+            }
     }
 
     // Hides invisible (query, key) pairs of a Partial tile: s = -inf.
@@ -217,6 +242,8 @@ struct FlashFwd {
         if (row0 >= sq) return;
         const int rows_valid = min(BR, sq - row0);
         const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+        const bool modded = FA_EXTRAS != 0 && p.mod.active();
+        const float slope = p.mod.slope(b, h, p.hq);
 
         const u16* gQ = p.q + b * p.q_batch + (long long)(q_start + row0) * p.q_row + h * p.q_head;
         const u16* gK = p.k + b * p.k_batch + (long long)k_start * p.k_row + hk * p.k_head;
@@ -256,7 +283,12 @@ struct FlashFwd {
                 cp_async_commit();
 
                 FragC s[MT][NT];
-                scores(s, sQ, sK, warp_row, lane, p.scale_log2);
+                if (modded) {
+                    scores(s, sQ, sK, warp_row, lane, p.mod.scale);
+                    apply_mod(s, p.mod, slope, sk - sq, row0 + warp_row, col0, lane);
+                } else {
+                    scores(s, sQ, sK, warp_row, lane, p.scale_log2);
+                }
                 if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
                     apply_mask(s, vis, row0 + warp_row, col0, lane);
 
@@ -268,7 +300,7 @@ struct FlashFwd {
                 cp_async_commit();
 
                 softmax.update(s, o);
-                if (p.dropout.enabled) apply_dropout(s, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0, lane);
+                if (FA_EXTRAS != 0 && p.dropout.enabled) apply_dropout(s, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0, lane);
                 cp_async_wait<1>();
                 __syncthreads();  // V[n] landed
                 accumulate_pv(o, s, sV, lane);

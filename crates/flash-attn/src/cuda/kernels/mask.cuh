@@ -40,3 +40,27 @@ struct Visibility {
         return lo_last <= c0 && hi_first >= c1;
     }
 };
+
+// The score modifiers of DESIGN §2 steps 2-3 on a score x = scale · q·k (natural units):
+// softcap c > 0: x = c · tanh(x / c); ALiBi: x -= slope · |i + off - j|. Field for field
+// `ScoreMod` in src/cuda/launch.rs.
+struct ScoreMod {
+    const float* alibi;  // [batch][hq] slopes, or null
+    float softcap;       // 0: none
+    float scale;         // the softmax scale (scores are scale · q·k before the modifiers)
+
+    __device__ __forceinline__ bool active() const { return softcap > 0.f || alibi != nullptr; }
+
+    __device__ __forceinline__ float slope(int b, int h, int hq) const { return alibi ? alibi[b * hq + h] : 0.f; }
+
+    // The modified score; `th` receives tanh(x / c) (the backward's derivative is 1 - th²).
+    __device__ __forceinline__ float apply(float x, float slope_bh, int dist, float& th) const {
+        th = 0.f;
+        if (softcap > 0.f) {
+            th = tanhf(x / softcap);
+            x = softcap * th;
+        }
+        if (alibi) x -= slope_bh * fabsf((float)dist);
+        return x;
+    }
+};
