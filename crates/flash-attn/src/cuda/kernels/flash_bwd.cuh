@@ -133,6 +133,17 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_convert(const BwdPar
     }
 }
 
+// dst[0] += a, dst[1] += b in global memory, without a return value; one vector reduction on
+// sm_90 (8-byte aligned: dst is an even column of an f32 row), two scalar ones before.
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 1), "f"(b) : "memory");
+#endif
+}
+
 template <int D, int BR, int WARPS, bool BF16>
 struct FlashBwd {
     static constexpr int BC = 16 * WARPS;  // keys per block, 16 per warp
@@ -259,10 +270,7 @@ struct FlashBwd {
                 if (row < rows_valid) {
                     float* dst = acc + row * acc_row + c0 + 2 * t;
 #pragma unroll
-                    for (int n = 0; n < 4; ++n) {
-                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 8 * n), "f"(d[n].x[2 * r]));
-                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 8 * n + 1), "f"(d[n].x[2 * r + 1]));
-                    }
+                    for (int n = 0; n < 4; ++n) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
                 }
             }
         }
