@@ -14,7 +14,7 @@
 //! device has no memory pools); with `--backward`, `bwd_peak_extra_bytes` is that of one forward
 //! plus one backward (the forward allocates nothing of its own).
 //!
-//! `--memory --plot FILE.svg` draws the memory table's measurements as a figure (runtime and peak
+//! `--plot FILE.svg` (implies `--memory`) draws the memory table's measurements as a figure (runtime and peak
 //! extra memory vs N, see [`crate::plot`]); nothing is measured twice.
 
 use std::path::{Path, PathBuf};
@@ -83,9 +83,9 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 8192, requires = "memory")]
     naive_max: usize,
 
-    /// Also draw the memory table as an SVG figure: runtime and peak extra memory vs N, log-log,
-    /// Algorithm 0 next to flash-attn.
-    #[arg(long, value_name = "FILE.svg", requires = "memory")]
+    /// Draw the memory table as an SVG figure: runtime and peak extra memory vs N, log-log,
+    /// Algorithm 0 next to flash-attn (implies `--memory`).
+    #[arg(long, value_name = "FILE.svg", conflicts_with_all = ["shape", "json", "dtype", "causal", "backward"])]
     plot: Option<PathBuf>,
 
     /// Longest sequence of the memory table (for tests: a short sweep).
@@ -217,14 +217,15 @@ const FWDBWD_FLOPS_FACTOR: f64 = 3.5;
 /// Runs `flash-attn bench`.
 pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     let cuda = args.device == Device::Cuda;
-    if cuda && args.memory {
+    let memory = args.memory || args.plot.is_some();
+    if cuda && memory {
         return Err(CliError::new("the memory table (`--memory`) runs on cpu only"));
     }
     let gpu_name = args.device.ensure_available()?;
     if !cuda {
         warm_up()?;
     }
-    if args.memory {
+    if memory {
         return memory_table(args.naive_max, args.max_n, args.plot.as_deref());
     }
 

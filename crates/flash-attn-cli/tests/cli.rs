@@ -981,10 +981,16 @@ fn plot_rejects_json_lines_without_fwd_ms() {
 fn bench_memory_plot_into_a_missing_directory_fails_before_the_sweep() {
     let dir = TempDir::new("memory-plot-missing");
     let missing = dir.path("no-such-dir").join("memory.svg");
-    let args = ["bench", "--memory", "--plot", missing.to_str().expect("utf-8")];
-    let res = flash_attn(&args);
-    assert_error_output(&args, &res);
-    assert!(res.stdout.is_empty(), "no table before the error");
+    for args in [
+        ["bench", "--memory", "--plot", missing.to_str().expect("utf-8")].as_slice(),
+        // `--plot` alone implies `--memory` (issue 7's `flash-attn bench --plot FILE.svg`).
+        ["bench", "--plot", missing.to_str().expect("utf-8")].as_slice(),
+    ] {
+        let res = flash_attn(args);
+        let line = assert_error_output(args, &res);
+        assert!(line.contains("directory"), "{line}");
+        assert!(res.stdout.is_empty(), "no table before the error");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
