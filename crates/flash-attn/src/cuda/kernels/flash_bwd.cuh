@@ -15,7 +15,7 @@
 // shared memory once and is read back transposed (ldmatrix.trans).
 //
 // Compile-time parameters (NVRTC -D options): FA_D (head dim), FA_BR (queries per tile),
-// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16.
+// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (1: dropout, softcap and ALiBi).
 
 #ifndef FA_D
 #define FA_D 128

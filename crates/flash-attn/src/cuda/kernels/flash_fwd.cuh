@@ -7,7 +7,8 @@
 // loading while Q·Kᵀ runs.
 //
 // Compile-time parameters (NVRTC -D options): FA_D (head dim of q, k and v), FA_MT (16-row
-// tiles per warp), FA_BC (keys per tile), FA_WARPS, FA_BF16 (1: bf16, 0: fp16).
+// tiles per warp), FA_BC (keys per tile), FA_WARPS, FA_BF16 (1: bf16, 0: fp16), FA_EXTRAS (1: the
+// dropout, softcap and ALiBi paths compiled in).
 
 #ifndef FA_D
 #define FA_D 128
