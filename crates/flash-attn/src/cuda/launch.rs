@@ -2,7 +2,8 @@
 //! block, the grid.
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    SyncOnDrop,
 };
 
 use super::{driver_error, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut, Variant, HEAD_DIMS};
@@ -63,6 +64,28 @@ struct ScoreMod {
 /// Whether a problem needs the variants with the extras compiled in.
 pub(crate) fn needs_extras(g: &Geometry<'_>) -> bool {
     g.dropout.is_some_and(|d| d.p > 0.0) || g.softcap.is_some() || g.alibi.is_some()
+}
+
+/// A variant without the extras compiled in cannot run a problem that needs them.
+fn check_extras(g: &Geometry<'_>, extras: bool, name: &str) -> Result<()> {
+    if needs_extras(g) && !extras {
+        return Err(Error::Unsupported(format!(
+            "variant {name} has no dropout, softcap or ALiBi compiled in; use its `_x` twin"
+        )));
+    }
+    Ok(())
+}
+
+/// The device address of an optional buffer (0 for none) and the guard that orders its use on
+/// `stream`; keep the guard until the launch is enqueued.
+fn optional_ptr<'a, T>(buf: Option<&'a CudaSlice<T>>, stream: &'a CudaStream) -> (u64, Option<SyncOnDrop<'a>>) {
+    match buf {
+        Some(b) => {
+            let (p, sync) = b.device_ptr(stream);
+            (p, Some(sync))
+        }
+        None => (0, None),
+    }
 }
 
 /// ALiBi slopes as the kernels read them, `[batch][hq]`, on the device (`None` without ALiBi).
@@ -265,21 +288,10 @@ pub(crate) fn forward<T: CudaElement>(
     };
 
     let cu = upload_cu_seqlens(dev, g)?;
+    check_extras(g, variant.extras, &variant.name())?;
     let alibi = upload_alibi(dev, g)?;
-    let (alibi_ptr, _alibi_sync) = match &alibi {
-        Some(a) => {
-            let (p, s) = a.device_ptr(stream);
-            (p, Some(s))
-        }
-        None => (0, None),
-    };
+    let (alibi_ptr, _alibi_sync) = optional_ptr(alibi.as_ref(), stream);
     let score_mod = ScoreMod { alibi: alibi_ptr, softcap: g.softcap.unwrap_or(0.0), scale: g.scale };
-    if needs_extras(g) && !variant.extras {
-        return Err(Error::Unsupported(format!(
-            "variant {} has no dropout, softcap or ALiBi compiled in; use its `_x` twin",
-            variant.name()
-        )));
-    }
 
     let elem = std::mem::size_of::<T>();
     let (qp, _q_sync) = q.data.device_ptr(stream);
@@ -291,13 +303,9 @@ pub(crate) fn forward<T: CudaElement>(
     check_alignment("k", kp, &g.k, elem)?;
     check_alignment("v", vp, &g.v, elem)?;
     check_alignment("out", op, &o_layout, elem)?;
-    let (cq, ck, _cu_sync) = match &cu {
-        Some(c) => {
-            let (p, s) = c.device_ptr(stream);
-            (p, p + 4 * (g.seqs.len() as u64 + 1), Some(s))
-        }
-        None => (0, 0, None),
-    };
+    // cu_seqlens_k follows cu_seqlens_q (batch + 1 entries of 4 bytes) in the same buffer.
+    let (cq, _cu_sync) = optional_ptr(cu.as_ref(), stream);
+    let ck = if cq == 0 { 0 } else { cq + 4 * (g.seqs.len() as u64 + 1) };
 
     let (lse_batch, lse_head) = if g.varlen { (0, g.total_q) } else { (g.hq * g.max_sq, g.max_sq) };
     let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
@@ -411,21 +419,10 @@ pub(crate) fn backward<T: CudaElement>(
     let sems = if deterministic { batch * g.hq * num_m_blocks } else { 1 };
     let mut dq_sem = stream.alloc_zeros::<i32>(sems.max(1)).map_err(|e| alloc("alloc semaphores", e))?;
     let cu = upload_cu_seqlens(dev, g)?;
+    check_extras(g, variant.extras, &variant.name())?;
     let alibi = upload_alibi(dev, g)?;
-    let (alibi_ptr, _alibi_sync) = match &alibi {
-        Some(a) => {
-            let (p, s) = a.device_ptr(stream);
-            (p, Some(s))
-        }
-        None => (0, None),
-    };
+    let (alibi_ptr, _alibi_sync) = optional_ptr(alibi.as_ref(), stream);
     let score_mod = ScoreMod { alibi: alibi_ptr, softcap: g.softcap.unwrap_or(0.0), scale: g.scale };
-    if needs_extras(g) && !variant.extras {
-        return Err(Error::Unsupported(format!(
-            "variant {} has no dropout, softcap or ALiBi compiled in; use its `_x` twin",
-            variant.name()
-        )));
-    }
 
     let (qp, _q_sync) = x.q.data.device_ptr(stream);
     let (kp, _k_sync) = x.k.data.device_ptr(stream);
@@ -451,13 +448,9 @@ pub(crate) fn backward<T: CudaElement>(
     ] {
         check_alignment(name, ptr, layout, elem)?;
     }
-    let (cq, ck, _cu_sync) = match &cu {
-        Some(c) => {
-            let (p, s) = c.device_ptr(stream);
-            (p, p + 4 * (batch as u64 + 1), Some(s))
-        }
-        None => (0, 0, None),
-    };
+    // cu_seqlens_k follows cu_seqlens_q (batch + 1 entries of 4 bytes) in the same buffer.
+    let (cq, _cu_sync) = optional_ptr(cu.as_ref(), stream);
+    let ck = if cq == 0 { 0 } else { cq + 4 * (g.seqs.len() as u64 + 1) };
     let (lse_batch, lse_head) = if g.varlen { (0, g.total_q) } else { (g.hq * g.max_sq, g.max_sq) };
     let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
     let k_covered = g.seqs.last().map_or(0, |s| s.k_start + s.sk);

@@ -132,19 +132,19 @@ impl Device {
         if let Some(f) = map.get(variant) {
             return Ok(f.clone());
         }
-        let compiled = nvrtc::compile(&variant.name(), &kernels::forward_source(), &variant.options(), &self.arch)?;
-        let module = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
-            .map_err(|e| driver_error("cuModuleLoadData", e))?;
+        let module = self.load_module(&variant.name(), &kernels::forward_source(), &variant.options())?;
         let f = module.load_function("flash_fwd").map_err(|e| driver_error("cuModuleGetFunction", e))?;
-        f.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            variant.smem_bytes() as i32,
-        )
-        .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+        allow_dynamic_smem(&f, variant.smem_bytes())?;
         map.insert(*variant, f.clone());
         Ok(f)
+    }
+
+    /// Compiles `source` with `options` for this device (or reads the disk cache) and loads it.
+    fn load_module(&self, name: &str, source: &str, options: &[String]) -> Result<Arc<cudarc::driver::CudaModule>> {
+        let compiled = nvrtc::compile(name, source, options, &self.arch)?;
+        self.ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+            .map_err(|e| driver_error("cuModuleLoadData", e))
     }
 
     /// The loaded backward kernels of `variant`, compiling (or reading the cache) on first use.
@@ -153,23 +153,14 @@ impl Device {
         if let Some(f) = map.get(variant) {
             return Ok(f.clone());
         }
-        let compiled = nvrtc::compile(&variant.name(), &kernels::backward_source(), &variant.options(), &self.arch)?;
-        let module = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
-            .map_err(|e| driver_error("cuModuleLoadData", e))?;
+        let module = self.load_module(&variant.name(), &kernels::backward_source(), &variant.options())?;
         let load = |name: &str| module.load_function(name).map_err(|e| driver_error("cuModuleGetFunction", e));
         let f = launch::BwdFunctions {
             prep: load("flash_bwd_prep")?,
             main: load("flash_bwd")?,
             convert: load("flash_bwd_convert")?,
         };
-        f.main
-            .set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                variant.smem_bytes() as i32,
-            )
-            .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+        allow_dynamic_smem(&f.main, variant.smem_bytes())?;
         map.insert(*variant, f.clone());
         Ok(f)
     }
@@ -392,6 +383,12 @@ impl Device {
     }
 }
 
+/// Lets `f` launch with `bytes` of dynamic shared memory (above the 48 KiB default).
+fn allow_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
+    f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+        .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))
+}
+
 /// A read-only strided view of a device buffer (shape and strides in elements, as [`Tensor`]).
 #[derive(Debug)]
 pub struct DeviceTensor<'a, T> {
@@ -591,30 +588,31 @@ impl VariantReport {
 /// reporting registers and spills from ptxas. Fails only when NVRTC itself is missing.
 pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
     nvrtc::available()?;
-    let source = kernels::forward_source();
-    let bwd_source = kernels::backward_source();
+    let (fwd_source, bwd_source) = (kernels::forward_source(), kernels::backward_source());
+    // (name, program, options) of every variant; a backward program holds three kernels and
+    // ptxas_usage reports the largest, the main kernel's.
+    let programs: Vec<(String, &str, Vec<String>)> = Variant::all()
+        .into_iter()
+        .map(|v| (v.name(), fwd_source.as_str(), v.options()))
+        .chain(BwdVariant::all().into_iter().map(|v| (v.name(), bwd_source.as_str(), v.options())))
+        .collect();
     let mut reports = Vec::new();
     for arch in archs {
-        for v in Variant::all() {
-            let r = nvrtc::compile(&v.name(), &source, &v.options(), arch);
-            let (log, result) = match r {
+        for (name, source, options) in &programs {
+            let (log, result) = match nvrtc::compile(name, source, options, arch) {
                 Ok(c) => (c.log, Ok(())),
                 Err(Error::KernelCompile { kernel, log }) => (log.clone(), Err(Error::KernelCompile { kernel, log })),
                 Err(e) => return Err(e),
             };
             let (registers, spill_bytes) = nvrtc::ptxas_usage(&log);
-            reports.push(VariantReport { name: v.name(), arch: arch.0.clone(), registers, spill_bytes, result, log });
-        }
-        for v in BwdVariant::all() {
-            let r = nvrtc::compile(&v.name(), &bwd_source, &v.options(), arch);
-            let (log, result) = match r {
-                Ok(c) => (c.log, Ok(())),
-                Err(Error::KernelCompile { kernel, log }) => (log.clone(), Err(Error::KernelCompile { kernel, log })),
-                Err(e) => return Err(e),
-            };
-            // The main kernel's usage: the log's largest (the helpers use few registers).
-            let (registers, spill_bytes) = nvrtc::ptxas_usage(&log);
-            reports.push(VariantReport { name: v.name(), arch: arch.0.clone(), registers, spill_bytes, result, log });
+            reports.push(VariantReport {
+                name: name.clone(),
+                arch: arch.0.clone(),
+                registers,
+                spill_bytes,
+                result,
+                log,
+            });
         }
     }
     Ok(reports)
