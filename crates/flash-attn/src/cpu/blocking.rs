@@ -9,6 +9,11 @@
 /// streamed inputs and the other tenant of a shared cache).
 const L2_BUDGET: usize = 1 << 20;
 
+/// Bytes of packed key/value tiles one thread of the forward pass keeps for its current
+/// (sequence, kv head): 4 MiB (twice L2) holds `Kᵀ` of 8k keys at d = 128 in `f32`, or `Kᵀ`
+/// and `V` as `bf16` pairs. Key tiles past it are packed per query tile, as without a cache.
+pub const KV_CACHE_BUDGET: usize = 4 << 20;
+
 /// Rows and columns of a tile of the score matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tiles {

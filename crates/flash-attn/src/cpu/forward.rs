@@ -1,6 +1,8 @@
 //! The forward loop over one query tile: Algorithm 1 with FlashAttention-2's loop order (the
 //! query tile stays put, key/value tiles stream past it).
 
+use std::ops::Range;
+
 use super::blocking::Tiles;
 use super::gemm::{gemm, gemm_acc_skipping_zeros, gemm_bf16, Bf16Pair};
 use super::pairs::{narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
@@ -13,7 +15,9 @@ use crate::philox::DropoutRng;
 use crate::spec::{Geometry, RowLayout};
 
 /// Per-thread scratch: one query tile, one key/value tile, one score tile, one output
-/// accumulator. `O(Br·d + Bc·(d + dv) + Br·Bc + Br·dv)`, independent of sequence length.
+/// accumulator — `O(Br·d + Bc·(d + dv) + Br·Bc + Br·dv)` — and the packed key/value tiles of the
+/// current work unit, bounded by a byte budget ([`super::blocking::KV_CACHE_BUDGET`] unless a
+/// test says otherwise).
 pub(super) struct Scratch {
     q: Vec<f32>,
     k: Vec<f32>,
@@ -22,8 +26,10 @@ pub(super) struct Scratch {
     s: Vec<f32>,
     o: Vec<f32>,
     softmax: OnlineSoftmax,
+    /// `K_jᵀ` tiles of the unit's (sequence, kv head), for the `f32` products.
+    kt_cache: TileCache<f32>,
     /// The operand tiles as `bf16` pairs, when the products run on them (then `q`, `k`, `kt`, `v`
-    /// stay empty).
+    /// and `kt_cache` stay empty).
     pairs: Option<PairTiles>,
 }
 
@@ -33,11 +39,59 @@ struct PairTiles {
     kt: Vec<Bf16Pair>,
     v: Vec<Bf16Pair>,
     p: Vec<Bf16Pair>,
+    kt_cache: TileCache<Bf16Pair>,
+    v_cache: TileCache<Bf16Pair>,
+}
+
+/// Packed key/value tiles of one (sequence, kv head), filled on first use and reused by every
+/// query tile and GQA head of a work unit: each key tile is read and transposed once per unit
+/// instead of once per query tile, and tiles a causal unit never visits are never packed.
+struct TileCache<E> {
+    data: Vec<E>,
+    slot_len: usize,
+    filled: Vec<bool>,
+}
+
+impl<E: Copy + Default> TileCache<E> {
+    /// Room for the first `slots` key tiles of `slot_len` elements each.
+    fn new(slots: usize, slot_len: usize) -> Self {
+        Self { data: vec![E::default(); slots * slot_len], slot_len, filled: vec![false; slots] }
+    }
+
+    /// Forgets every tile (a new sequence or kv head).
+    fn clear(&mut self) {
+        self.filled.fill(false);
+    }
+
+    /// Key tile `tile`: from the cache, packed there by `fill` on first use; past the cache's
+    /// slots, packed into `spill` by `fill` every time. `fill` gets the destination and whether
+    /// it is a cache slot (which must then hold the whole key tile, not only the columns the
+    /// current query tile sees).
+    fn tile<'a>(&'a mut self, tile: usize, spill: &'a mut [E], fill: impl FnOnce(&mut [E], bool)) -> &'a [E] {
+        match self.filled.get_mut(tile) {
+            Some(filled) => {
+                let slot = &mut self.data[tile * self.slot_len..(tile + 1) * self.slot_len];
+                if !*filled {
+                    fill(slot, true);
+                    *filled = true;
+                }
+                slot
+            }
+            None => {
+                fill(spill, false);
+                spill
+            }
+        }
+    }
 }
 
 impl Scratch {
-    pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool) -> Self {
+    pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool, cache_budget: usize) -> Self {
         let f32_tile = |n: usize| if pairs { Vec::new() } else { vec![0.0; n] };
+        let key_tiles = g.max_sk.div_ceil(t.bc);
+        let (kt_len, v_len) = (g.d.div_ceil(2) * t.bc, t.bc.div_ceil(2) * g.dv);
+        let pair_slots = key_tiles.min(cache_budget / (4 * (kt_len + v_len)).max(1));
+        let f32_slots = if pairs { 0 } else { key_tiles.min(cache_budget / (4 * g.d * t.bc).max(1)) };
         Self {
             q: f32_tile(t.br * g.d),
             k: f32_tile(t.bc * g.d),
@@ -46,12 +100,24 @@ impl Scratch {
             s: vec![0.0; t.br * t.bc],
             o: vec![0.0; t.br * g.dv],
             softmax: OnlineSoftmax::default(),
+            kt_cache: TileCache::new(f32_slots, g.d * t.bc),
             pairs: pairs.then(|| PairTiles {
                 q: vec![0; t.br * g.d.div_ceil(2)],
-                kt: vec![0; g.d.div_ceil(2) * t.bc],
-                v: vec![0; t.bc.div_ceil(2) * g.dv],
+                kt: vec![0; kt_len],
+                v: vec![0; v_len],
                 p: vec![0; t.br * t.bc.div_ceil(2)],
+                kt_cache: TileCache::new(pair_slots, kt_len),
+                v_cache: TileCache::new(pair_slots, v_len),
             }),
+        }
+    }
+
+    /// Starts a work unit: the cached key/value tiles belong to the previous one.
+    fn clear_cache(&mut self) {
+        self.kt_cache.clear();
+        if let Some(pt) = self.pairs.as_mut() {
+            pt.kt_cache.clear();
+            pt.v_cache.clear();
         }
     }
 }
@@ -83,6 +149,18 @@ pub(super) struct Context<'a, T> {
 }
 
 impl<T: Element> Context<'_, T> {
+    /// One work unit: query tiles `tiles` of every query head that reads kv head `kv_head` of
+    /// sequence `seq`, sharing the packed key/value tiles.
+    pub(super) fn unit(&self, sc: &mut Scratch, seq: usize, kv_head: usize, tiles: Range<usize>) {
+        sc.clear_cache();
+        let group = self.g.hq / self.g.hk;
+        for tile in tiles {
+            for head in kv_head * group..(kv_head + 1) * group {
+                self.query_tile(sc, seq, head, tile);
+            }
+        }
+    }
+
     /// Computes rows `tile·Br ..` of query head `head` of sequence `seq` and writes them out.
     pub(super) fn query_tile(&self, sc: &mut Scratch, seq: usize, head: usize, tile: usize) {
         let g = self.g;
@@ -120,15 +198,25 @@ impl<T: Element> Context<'_, T> {
                 continue;
             }
             let nc = cols.len();
+            // A cache slot holds the whole key tile: later query tiles may see more of it.
+            let (key_tile, whole) = (cols.start / bc, cols.start..(cols.start + bc).min(seq.sk));
+            let packed = |slot: bool| if slot { whole.clone() } else { cols.clone() };
             let qk = match (self.bf16, sc.pairs.as_mut()) {
                 (Some(bits), Some(pt)) => {
-                    pack_rows_transposed(&mut pt.kt, bc, bits.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
-                    QkOperands::Bf16Pairs { q: &pt.q, ldq: dp, kt: &pt.kt }
+                    let kt = pt.kt_cache.tile(key_tile, &mut pt.kt, |dst, slot| {
+                        pack_rows_transposed(dst, bc, bits.k, g.k, seq, seq.k_start, packed(slot), kv_head, d)
+                    });
+                    QkOperands::Bf16Pairs { q: &pt.q, ldq: dp, kt }
                 }
                 _ => {
-                    let (k, ldk) = rows_f32(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
-                    transpose(&mut sc.kt, bc, k, ldk, nc, d);
-                    QkOperands::F32 { q: &sc.q, ldq: d, kt: &sc.kt }
+                    let k_buf = &mut sc.k;
+                    let kt = sc.kt_cache.tile(key_tile, &mut sc.kt, |dst, slot| {
+                        let keys = packed(slot);
+                        let n = keys.len();
+                        let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
+                        transpose(dst, bc, k, ldk, n, d);
+                    });
+                    QkOperands::F32 { q: &sc.q, ldq: d, kt }
                 }
             };
 
@@ -145,12 +233,14 @@ impl<T: Element> Context<'_, T> {
             if let (Some(bits), Some(pt)) = (self.bf16, sc.pairs.as_mut()) {
                 // O_i += P_ij V_j on pairs of keys: P rounded to bf16, V interleaved by key pairs.
                 let ldp = bc.div_ceil(2);
-                pack_row_pairs(&mut pt.v, dv, bits.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
+                let v = pt.v_cache.tile(key_tile, &mut pt.v, |dst, slot| {
+                    pack_row_pairs(dst, dv, bits.v, g.v, seq, seq.k_start, packed(slot), kv_head, dv)
+                });
                 for r in 0..nr {
                     narrow_to_pairs(&mut pt.p[r * ldp..], &sc.s[r * bc..r * bc + nc]);
                 }
                 if class == TileClass::Full {
-                    gemm_bf16(&mut sc.o, dv, &pt.p, ldp, &pt.v, dv, (nr, dv, nc.div_ceil(2)), true);
+                    gemm_bf16(&mut sc.o, dv, &pt.p, ldp, v, dv, (nr, dv, nc.div_ceil(2)), true);
                 } else {
                     // Panel by panel as below; a panel's keys widened to whole pairs (the extra
                     // key is a masked one, whose probability is an exact zero).
@@ -159,7 +249,7 @@ impl<T: Element> Context<'_, T> {
                         let words = keys.start / 2..keys.end.div_ceil(2);
                         if !keys.is_empty() {
                             let (o, p) = (&mut sc.o[p0 * dv..], &pt.p[p0 * ldp + words.start..]);
-                            gemm_bf16(o, dv, p, ldp, &pt.v[words.start * dv..], dv, (n, dv, words.len()), true);
+                            gemm_bf16(o, dv, p, ldp, &v[words.start * dv..], dv, (n, dv, words.len()), true);
                         }
                     }
                 }

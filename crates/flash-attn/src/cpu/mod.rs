@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use crate::dtype::Element;
 use crate::error::{numel, try_vec, Error, Result};
-use crate::spec::{Causal, Geometry, RowLayout};
+use crate::spec::{Geometry, RowLayout};
 use crate::tensor::{Tensor, TensorMut};
 
 /// Largest head dimension the CPU backend accepts.
@@ -88,12 +88,47 @@ fn for_each_dynamic<I: Sync, S>(items: &[I], init: impl Fn() -> S + Sync, work: 
     });
 }
 
-/// One unit of work: query tile `tile` of head `head` of sequence `seq`.
-#[derive(Debug, Clone, Copy)]
-struct WorkItem {
+/// One unit of forward work: query tiles `tiles` of every query head that reads kv head
+/// `kv_head` of sequence `seq`. The heads and tiles of a unit share its packed key/value tiles.
+#[derive(Debug, Clone)]
+struct ForwardUnit {
     seq: usize,
-    head: usize,
-    tile: usize,
+    kv_head: usize,
+    tiles: std::ops::Range<usize>,
+    /// Visible (query, key) pairs by the interval rules: the unit's cost, for the schedule.
+    cost: usize,
+}
+
+/// The forward pass's work units, costliest first. A (sequence, kv head) is one unit unless
+/// there are too few of them to keep `threads` busy; then its query tiles are split into runs.
+/// Costliest first (causal: the units with the late query tiles) so the last units to finish
+/// are short ones.
+fn forward_units(g: &Geometry<'_>, br: usize, threads: usize) -> Vec<ForwardUnit> {
+    let groups = g.seqs.iter().filter(|seq| seq.sq > 0).count() * g.hk;
+    let parts_wanted = (4 * threads).div_ceil(groups.max(1));
+    let group = g.hq / g.hk;
+    let mut units = Vec::new();
+    for (s, seq) in g.seqs.iter().enumerate().filter(|(_, seq)| seq.sq > 0) {
+        let n_tiles = seq.sq.div_ceil(br);
+        let per_part = n_tiles.div_ceil(parts_wanted.clamp(1, n_tiles));
+        for kv_head in 0..g.hk {
+            let vis = g.visibility(seq, kv_head * group);
+            for t0 in (0..n_tiles).step_by(per_part) {
+                let tiles = t0..(t0 + per_part).min(n_tiles);
+                let cost = tiles
+                    .clone()
+                    .map(|t| {
+                        let rows = t * br..((t + 1) * br).min(seq.sq);
+                        rows.len() * vis.key_range(rows).len()
+                    })
+                    .sum::<usize>()
+                    * group;
+                units.push(ForwardUnit { seq: s, kv_head, tiles, cost });
+            }
+        }
+    }
+    units.sort_by_key(|u| std::cmp::Reverse(u.cost));
+    units
 }
 
 pub use blocking::Tiles;
@@ -124,6 +159,22 @@ pub fn forward_into_tiled<T: Element>(
     lse: &mut [f32],
     tiles: Tiles,
 ) -> Result<()> {
+    forward_with_cache_budget(g, q, k, v, out, lse, tiles, blocking::KV_CACHE_BUDGET)
+}
+
+/// [`forward_into_tiled`] with the bytes of packed key/value tiles each thread may keep (tests
+/// run it with none, a few tiles and plenty: the results must be bitwise the same).
+#[allow(clippy::too_many_arguments)]
+fn forward_with_cache_budget<T: Element>(
+    g: &Geometry<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &mut TensorMut<'_, T>,
+    lse: &mut [f32],
+    tiles: Tiles,
+    cache_budget: usize,
+) -> Result<()> {
     check_head_dims(g)?;
     if tiles.br == 0 || tiles.bc == 0 {
         return Err(Error::Unsupported(format!("tile sizes must be positive, got {tiles:?}")));
@@ -132,18 +183,7 @@ pub fn forward_into_tiled<T: Element>(
     let tiles = Tiles { br: tiles.br.min(g.max_sq.max(1)), bc: tiles.bc.min(g.max_sk.max(1)) };
     let out_layout: RowLayout = g.check_out(out, lse)?;
 
-    let mut items: Vec<WorkItem> = Vec::new();
-    for (s, seq) in g.seqs.iter().enumerate().filter(|(_, seq)| seq.sq > 0) {
-        for head in 0..g.hq {
-            for tile in 0..seq.sq.div_ceil(tiles.br) {
-                items.push(WorkItem { seq: s, head, tile });
-            }
-        }
-    }
-    // Causal: later query tiles see more keys; start them first so the tail is short tiles.
-    if g.causal != Causal::None {
-        items.sort_by_key(|w| std::cmp::Reverse(w.tile));
-    }
+    let units = forward_units(g, tiles.br, rayon::current_num_threads());
 
     fill_uncovered_rows(g, out, out_layout, lse);
     let out_sink = Sink::new(out.data_mut());
@@ -166,9 +206,9 @@ pub fn forward_into_tiled<T: Element>(
         bf16,
     };
     for_each_dynamic(
-        &items,
-        || forward::Scratch::new(g, tiles, bf16.is_some()),
-        |scratch, w| ctx.query_tile(scratch, w.seq, w.head, w.tile),
+        &units,
+        || forward::Scratch::new(g, tiles, bf16.is_some(), cache_budget),
+        |scratch, u| ctx.unit(scratch, u.seq, u.kv_head, u.tiles.clone()),
     );
     Ok(())
 }
@@ -325,5 +365,84 @@ fn fill_uncovered_rows<T: Element>(g: &Geometry<'_>, out: &mut TensorMut<'_, T>,
             data[row..row + g.dv].fill(T::default());
             lse[h * g.total_q + t] = f32::NEG_INFINITY;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::{bf16, f16};
+
+    use super::*;
+    use crate::check::{report, Case, Storage};
+    use crate::spec::Causal;
+    use crate::{reference, DType};
+
+    /// GQA (3 query heads per kv head), varlen with an empty and a short sequence, `d != dv`.
+    fn gqa_varlen_case(dtype: DType, causal: Causal, window: Option<(i64, i64)>) -> Case {
+        Case {
+            dtype,
+            hq: 6,
+            hk: 2,
+            d: 40,
+            dv: 24,
+            seqlens: vec![(70, 90), (0, 5), (33, 20), (100, 100), (9, 61)],
+            varlen: true,
+            causal,
+            window,
+            softcap: None,
+            scale: None,
+            alibi: None,
+            block: None,
+            storage: Storage::Contiguous,
+            seed: 0xcac4e,
+        }
+    }
+
+    /// Output bits of `case` with tiles `tiles` and a key/value cache of `budget` bytes per
+    /// thread, after checking the contract against the oracle.
+    fn run_checked<T: Element>(case: &Case, tiles: Tiles, budget: usize) -> Vec<u32> {
+        let data = case.data::<T>();
+        let spec = case.spec(&data);
+        let [q, k, v] = data.views();
+        let g = spec.geometry(&q, &k, &v).expect("valid case");
+        let shape = g.out_shape();
+        let mut out = vec![T::default(); shape.iter().product()];
+        let mut lse = vec![0.0f32; g.lse_len()];
+        forward_with_cache_budget(&g, &q, &k, &v, &mut TensorMut::new(&mut out, &shape), &mut lse, tiles, budget)
+            .expect("valid case");
+        let oracle = reference::forward(&spec, &q, &k, &v).expect("valid case");
+        let naive = reference::naive(&spec, &q, &k, &v).expect("valid case");
+        let rep = report(&out, &lse, &oracle, &naive, case.dtype);
+        assert!(rep.passed(), "{case} tiles={tiles:?} budget={budget}: {rep}");
+        out.iter().map(|x| x.to_f32().to_bits()).chain(lse.iter().map(|x| x.to_bits())).collect()
+    }
+
+    fn cached_tiles_give_the_uncached_results<T: Element>(dtype: DType) {
+        let tiles = Tiles { br: 16, bc: 16 };
+        for causal in [Causal::None, Causal::BottomRight, Causal::TopLeft] {
+            for window in [None, Some((20, 5))] {
+                let case = gqa_varlen_case(dtype, causal, window);
+                // No cache, room for three key tiles (the rest packed per query tile), plenty.
+                let none = run_checked::<T>(&case, tiles, 0);
+                let some = run_checked::<T>(&case, tiles, 3 * 4 * (40 + 24) * 16);
+                let all = run_checked::<T>(&case, tiles, 1 << 24);
+                assert!(none == some && some == all, "{case}: the cache changed the results");
+            }
+        }
+    }
+
+    #[test]
+    fn cached_key_tiles_give_the_uncached_results_in_f32() {
+        cached_tiles_give_the_uncached_results::<f32>(DType::F32);
+    }
+
+    #[test]
+    fn cached_key_tiles_give_the_uncached_results_in_f16() {
+        cached_tiles_give_the_uncached_results::<f16>(DType::F16);
+    }
+
+    #[test]
+    fn cached_key_pairs_give_the_uncached_results_in_bf16() {
+        cached_tiles_give_the_uncached_results::<bf16>(DType::BF16);
     }
 }
