@@ -12,6 +12,7 @@ pub mod gemm;
 mod pairs;
 mod softmax;
 mod tile;
+mod transpose;
 mod vexp;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -107,16 +107,6 @@ pub(super) fn rows_f32<'s, T: Element>(
     (buf, dim)
 }
 
-/// `dst[c][r] = src[r][c]` for an `rows × cols` tile (`src` rows of stride `ld_src`, `dst` rows of
-/// stride `ld_dst`).
-pub(super) fn transpose(dst: &mut [f32], ld_dst: usize, src: &[f32], ld_src: usize, rows: usize, cols: usize) {
-    for r in 0..rows {
-        for (c, &x) in src[r * ld_src..r * ld_src + cols].iter().enumerate() {
-            dst[c * ld_dst + r] = x;
-        }
-    }
-}
-
 /// The operands of `S = Q Kᵀ` for one tile: `Q` (row stride `ldq`) and the packed `Kᵀ` (row
 /// stride the score tile's), in `f32` or as `bf16` pairs along the head dim.
 #[derive(Clone, Copy)]
