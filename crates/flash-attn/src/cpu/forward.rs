@@ -221,10 +221,12 @@ impl<T: Element> Context<'_, T> {
                 }
             };
 
-            // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only.
-            score_tile(&mut sc.s, bc, (qk, false), d, rows.clone(), cols.clone(), smod, class, &vis, None);
+            // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only; a plain scale
+            // waits for the exponent of the softmax.
+            let deferred = smod.deferrable_scale();
+            score_tile(&mut sc.s, bc, (qk, deferred.is_some()), d, rows.clone(), cols.clone(), smod, class, &vis, None);
             // m, l, P and the rescale of O (lines 10-12), then O_i += P_ij V_j.
-            sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv);
+            sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv, deferred.unwrap_or(1.0));
             if let Some(rng) = &dropout {
                 // Dropout acts on P after l has summed it: lse stays that of the full softmax.
                 for (r, i) in rows.clone().enumerate() {

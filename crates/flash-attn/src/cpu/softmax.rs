@@ -6,7 +6,7 @@
 
 use std::f32::consts::LOG2_E;
 
-use super::vexp::{exp_sub_sum, row_max};
+use super::vexp::{exp_scaled_sub_sum, row_max};
 
 /// Running row maxima and sums of one query tile.
 #[derive(Debug, Default)]
@@ -24,13 +24,15 @@ impl OnlineSoftmax {
         self.row_sum.resize(rows, 0.0);
     }
 
-    /// Folds one score tile into the state: turns `s` (rows of stride `ld_s`, `cols` valid) into
-    /// probabilities `e^(s - m_new)` in place and rescales the output rows `o` (stride `dv`) by
-    /// `e^(m_old - m_new)` where the maximum grew.
-    pub fn update(&mut self, s: &mut [f32], ld_s: usize, cols: usize, o: &mut [f32], dv: usize) {
+    /// Folds one score tile into the state: turns `scale · s` (rows of stride `ld_s`, `cols`
+    /// valid) into probabilities `e^(scale · s - m_new)` in place and rescales the output rows `o`
+    /// (stride `dv`) by `e^(m_old - m_new)` where the maximum grew. `scale > 0` (so the maximum of
+    /// `scale · s` is `scale` times that of `s`, rounding included); 1 for a tile already scaled.
+    pub fn update(&mut self, s: &mut [f32], ld_s: usize, cols: usize, o: &mut [f32], dv: usize, scale: f32) {
+        debug_assert!(scale > 0.0);
         for (r, (m, l)) in self.row_max.iter_mut().zip(&mut self.row_sum).enumerate() {
             let row = &mut s[r * ld_s..r * ld_s + cols];
-            let tile_max = row_max(row);
+            let tile_max = row_max(row) * scale;
             let m_new = m.max(tile_max);
             if m_new == f32::NEG_INFINITY {
                 // Nothing finite visible yet in this row: every probability is 0 — unless a score
@@ -48,7 +50,7 @@ impl OnlineSoftmax {
                 o[r * dv..(r + 1) * dv].iter_mut().for_each(|x| *x *= alpha);
                 *m = m_new;
             }
-            *l += exp_sub_sum(row, m_new);
+            *l += exp_scaled_sub_sum(row, scale, m_new);
         }
     }
 
@@ -80,7 +82,7 @@ mod tests {
         for tile in [0..2, 2..6] {
             let mut s: Vec<f32> = scores[tile.clone()].to_vec();
             let n = s.len();
-            st.update(&mut s, n, n, &mut o, 1);
+            st.update(&mut s, n, n, &mut o, 1, 1.0);
             for (p, vi) in s.iter().zip(&values[tile]) {
                 o[0] += p * vi;
             }
@@ -98,7 +100,7 @@ mod tests {
         st.reset(1);
         let mut s = [f32::NEG_INFINITY; 3];
         let mut o = [0.0f32; 2];
-        st.update(&mut s, 3, 3, &mut o, 2);
+        st.update(&mut s, 3, 3, &mut o, 2, 1.0);
         assert_eq!(s, [0.0; 3]);
         assert!(st.finish(0).is_none());
     }

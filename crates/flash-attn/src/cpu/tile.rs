@@ -30,6 +30,13 @@ impl ScoreMod {
         ScoreMod { q_mult, cap: g.softcap, slope: g.alibi_slope(seq, head), off: seq.offset() }
     }
 
+    /// The scale, when it is the only modifier and positive: the forward pass then leaves the
+    /// score tile unscaled and folds the scale into the softmax's exponent (one pass fewer).
+    pub fn deferrable_scale(&self) -> Option<f32> {
+        (self.cap.is_none() && self.slope.is_none() && self.q_mult > 0.0 && self.q_mult.is_finite())
+            .then_some(self.q_mult)
+    }
+
     /// Whether a softcap is applied (the backward pass then needs `tanh` of each score).
     pub fn has_softcap(&self) -> bool {
         self.cap.is_some()
@@ -130,7 +137,8 @@ impl QkOperands<'_> {
 }
 
 /// The score tile of `rows × cols` (rows of stride `ld` in `s`): `S = Q Kᵀ` from the operands
-/// (`Q` already multiplied by `q_mult` when `q_scaled`, else the product is), then softcap (its
+/// (`Q` already multiplied by `q_mult` — or the scale left to the caller — when `q_scaled`, else
+/// the product is), then softcap (its
 /// `tanh` values kept in `tanh` when given), ALiBi, and the mask on Partial tiles.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn score_tile(

@@ -28,14 +28,23 @@ pub fn row_max(row: &[f32]) -> f32 {
 /// `row[j] = e^(row[j] - m)` for every `j`; returns `Σ_j row[j]`.
 #[inline]
 pub fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
+    exp_scaled_sub_sum(row, 1.0, m)
+}
+
+/// `row[j] = e^(scale · row[j] - m)` for every `j`; returns `Σ_j row[j]`. On the AVX-512 path
+/// `scale · row[j] - m` is one fused multiply-subtract (one rounding; with `scale = 1` exactly
+/// the `row[j] - m` of [`exp_sub_sum`]), so the softmax scale can wait until here instead of
+/// taking its own pass over the score tile.
+#[inline]
+pub fn exp_scaled_sub_sum(row: &mut [f32], scale: f32, m: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if detect() == Path::Avx512 {
         // SAFETY: AVX-512F is available (detected).
-        return unsafe { x86::exp_sub_sum(row, m) };
+        return unsafe { x86::exp_scaled_sub_sum(row, scale, m) };
     }
     let mut sum = 0.0f32;
     for p in row.iter_mut() {
-        *p = ((*p - m) * std::f32::consts::LOG2_E).exp2();
+        *p = ((*p * scale - m) * std::f32::consts::LOG2_E).exp2();
         sum += *p;
     }
     sum
@@ -98,8 +107,8 @@ mod x86 {
     /// # Safety
     /// AVX-512F available.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
-        let mv = _mm512_set1_ps(m);
+    pub unsafe fn exp_scaled_sub_sum(row: &mut [f32], scale: f32, m: f32) -> f32 {
+        let (mv, sv) = (_mm512_set1_ps(m), _mm512_set1_ps(scale));
         let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
         let mut sum = _mm512_setzero_ps();
         let n = row.len();
@@ -111,7 +120,7 @@ mod x86 {
             // SAFETY: lanes beyond `w` are masked off; `j + w <= n`.
             unsafe {
                 let x = _mm512_maskz_loadu_ps(mask, ptr.add(j));
-                let p = exp2(_mm512_mul_ps(_mm512_sub_ps(x, mv), log2e));
+                let p = exp2(_mm512_mul_ps(_mm512_fmsub_ps(x, sv, mv), log2e));
                 _mm512_mask_storeu_ps(ptr.add(j), mask, p);
                 sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, p));
             }
