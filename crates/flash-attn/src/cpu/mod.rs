@@ -318,13 +318,16 @@ pub fn backward_into<T: Element>(
 }
 
 /// Whether every value row that a sequence can read is finite (one pass over `v`, `O(tk · dv)`).
+/// On the calling thread: vectorised, the pass costs less than handing it to the pool (at
+/// 1×8×128², d 64, the early-exit version was 5% of the forward).
 fn all_finite<T: Element>(g: &Geometry<'_>, v: &Tensor<'_, T>) -> bool {
     let data = v.data();
-    g.seqs.par_iter().all(|seq| {
+    g.seqs.iter().all(|seq| {
         (0..seq.sk).all(|j| {
             (0..g.hk).all(|h| {
                 let at = g.v.row(seq, seq.k_start, j, h);
-                data[at..at + g.dv].iter().all(|x| x.is_finite())
+                // No early exit inside a chunk, so that the loop vectorises.
+                data[at..at + g.dv].chunks(64).all(|c| c.iter().fold(true, |ok, x| ok & x.is_finite()))
             })
         })
     })
