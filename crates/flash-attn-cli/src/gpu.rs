@@ -32,7 +32,7 @@ pub struct Timing {
 /// What compiling one kernel variant for one architecture gave.
 #[derive(Debug, Clone)]
 pub struct Compiled {
-    /// The variant's name, e.g. `flash_fwd_bf16_d128_m2_n64_w4`.
+    /// The variant's name, e.g. `flash_fwd_bf16_d128_m1_n128_w8`.
     pub name: String,
     /// The target, e.g. `sm_90a`.
     pub arch: String,
@@ -40,6 +40,8 @@ pub struct Compiled {
     pub registers: Option<u32>,
     /// Bytes spilled to local memory, if ptxas reported them.
     pub spill_bytes: Option<u32>,
+    /// Spill bytes tolerated for this variant (0 but for the d = 128 backward).
+    pub spill_budget: u32,
     /// `None` when it compiled, else NVRTC's error (its log included).
     pub error: Option<String>,
 }
@@ -223,6 +225,7 @@ mod imp {
                 arch: r.arch,
                 registers: r.registers,
                 spill_bytes: r.spill_bytes,
+                spill_budget: r.spill_budget,
             })
             .collect())
     }

@@ -85,14 +85,16 @@ impl Variant {
         ]
     }
 
-    /// The variant used for `dtype` and head dim `d`, if supported: the fastest tile shape
-    /// measured on an H100 (see docs/cuda-notes.md). For d = 128 it is 32 rows per warp, which
-    /// spills ~100 bytes and still beats 16 rows per warp (half the shared-memory reads per MMA).
+    /// The variant used for `dtype` and head dim `d`, if supported: the fastest spill-free tile
+    /// shape measured on an H100 (docs/cuda-notes.md): d = 64, 32 rows per warp, 64 keys per
+    /// tile, 4 warps (FlashAttention-2's shape); d = 128, 16 rows per warp, 128 keys, 8 warps
+    /// (32 rows per warp spills at d = 128 and was slower from s = 1024 on).
     pub fn default_for(dtype: DType, d: usize) -> Option<Variant> {
         if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
             return None;
         }
-        Some(Variant { dtype, d, mt: 2, bc: 64, warps: 4, extras: false })
+        let (mt, bc, warps) = if d >= 128 { (1, 128, 8) } else { (2, 64, 4) };
+        Some(Variant { dtype, d, mt, bc, warps, extras: false })
     }
 
     /// This variant with the extras (dropout, softcap, ALiBi) compiled in or not.
@@ -105,7 +107,13 @@ impl Variant {
         let mut v = Vec::new();
         for dtype in [DType::BF16, DType::F16] {
             for d in HEAD_DIMS {
-                for (mt, bc, warps) in [(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)] {
+                // 32 rows per warp (mt 2) at d = 128 holds 128 f32 of O per thread and spills.
+                let shapes: &[(usize, usize, usize)] = if d >= 128 {
+                    &[(1, 64, 8), (1, 128, 8)]
+                } else {
+                    &[(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)]
+                };
+                for &(mt, bc, warps) in shapes {
                     v.push(Variant { dtype, d, mt, bc, warps, extras: false });
                 }
                 if let Some(x) = Variant::default_for(dtype, d) {
@@ -156,6 +164,19 @@ impl BwdVariant {
         format!("flash_bwd_{}_d{}_r{}_w{}{x}", self.dtype.name(), self.d, self.br, self.warps)
     }
 
+    /// Spill bytes that `kernels --compile-all` tolerates for this variant. Zero, except at
+    /// d = 128: a warp's dK and dV accumulators take 128 of the 255 registers, and ptxas spills
+    /// 36 to 72 bytes of loop-invariant values (block coordinates, tile bases, read once per
+    /// query tile) in every arrangement tried (docs/cuda-notes.md, v3). The budget is there so
+    /// that a change that spills more, or spills anywhere else, fails.
+    pub fn spill_budget(&self) -> u32 {
+        if self.d >= 128 {
+            80
+        } else {
+            0
+        }
+    }
+
     /// NVRTC options selecting this variant.
     pub fn options(&self) -> Vec<String> {
         vec![
@@ -171,12 +192,12 @@ impl BwdVariant {
     }
 
     /// The variant used for `dtype` and head dim `d`, if supported: the fastest measured on an
-    /// H100 (docs/cuda-notes.md: 128 keys per block, 8 warps, at every length but one).
+    /// H100 (docs/cuda-notes.md, v3: 64 keys per block, 4 warps, at every length of the grid).
     pub fn default_for(dtype: DType, d: usize) -> Option<BwdVariant> {
         if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
             return None;
         }
-        Some(BwdVariant { dtype, d, br: 64, warps: 8, extras: false })
+        Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: false })
     }
 
     /// This variant with the extras (dropout, softcap, ALiBi) compiled in or not.

@@ -571,6 +571,8 @@ pub struct VariantReport {
     pub registers: Option<u32>,
     /// Bytes spilled to local memory (ptxas's `spill stores`).
     pub spill_bytes: Option<u32>,
+    /// Spill bytes tolerated for this variant ([`BwdVariant::spill_budget`]; 0 for the forward).
+    pub spill_budget: u32,
     /// `Ok(())`, or the compile error (with NVRTC's log).
     pub result: std::result::Result<(), Error>,
     /// NVRTC's log.
@@ -589,16 +591,16 @@ impl VariantReport {
 pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
     nvrtc::available()?;
     let (fwd_source, bwd_source) = (kernels::forward_source(), kernels::backward_source());
-    // (name, program, options) of every variant; a backward program holds three kernels and
-    // ptxas_usage reports the largest, the main kernel's.
-    let programs: Vec<(String, &str, Vec<String>)> = Variant::all()
+    // (name, program, options, spill budget) of every variant; a backward program holds three
+    // kernels and ptxas_usage reports the largest, the main kernel's.
+    let programs: Vec<(String, &str, Vec<String>, u32)> = Variant::all()
         .into_iter()
-        .map(|v| (v.name(), fwd_source.as_str(), v.options()))
-        .chain(BwdVariant::all().into_iter().map(|v| (v.name(), bwd_source.as_str(), v.options())))
+        .map(|v| (v.name(), fwd_source.as_str(), v.options(), 0))
+        .chain(BwdVariant::all().into_iter().map(|v| (v.name(), bwd_source.as_str(), v.options(), v.spill_budget())))
         .collect();
     let mut reports = Vec::new();
     for arch in archs {
-        for (name, source, options) in &programs {
+        for (name, source, options, spill_budget) in &programs {
             let (log, result) = match nvrtc::compile(name, source, options, arch) {
                 Ok(c) => (c.log, Ok(())),
                 Err(Error::KernelCompile { kernel, log }) => (log.clone(), Err(Error::KernelCompile { kernel, log })),
@@ -610,6 +612,7 @@ pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
                 arch: arch.0.clone(),
                 registers,
                 spill_bytes,
+                spill_budget: *spill_budget,
                 result,
                 log,
             });

@@ -15,7 +15,8 @@
 // shared memory once and is read back transposed (ldmatrix.trans).
 //
 // Compile-time parameters (NVRTC -D options): FA_D (head dim), FA_BR (queries per tile),
-// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (1: dropout, softcap and ALiBi).
+// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (1: dropout, softcap and ALiBi),
+// FA_PARTS (query slices of the dP phase; an experiment knob, 1 in every shipped variant).
 
 #ifndef FA_D
 #define FA_D 128
@@ -31,6 +32,9 @@
 #endif
 #ifndef FA_BF16
 #define FA_BF16 1
+#endif
+#ifndef FA_PARTS
+#define FA_PARTS 1
 #endif
 
 // The launch parameters; mirrored field for field by `BwdParams` in src/cuda/launch.rs.
@@ -144,6 +148,38 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #endif
 }
 
+// What a main-kernel block works on: key tile n_block of kv head hkv of sequence b, and where that
+// sequence's queries and keys start (varlen) with their counts.
+struct BlockCoords {
+    int n_block, b, hkv, q_start, k_start, sq, sk;
+};
+
+// The block's coordinates, from a fresh read of the block index each call: the kernel re-derives
+// them where it needs them (each work item, the epilogue) instead of holding them in registers
+// across the work loop, where they are what spills.
+__device__ __forceinline__ BlockCoords block_coords(const BwdParams& p) {
+    int bid;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bid));
+    BlockCoords c;
+    // Key tiles of one (sequence, kv head) are consecutive blocks, in order: the deterministic
+    // mode's waits only ever point at earlier blocks.
+    c.n_block = bid % p.num_n_blocks;
+    const int bhk = bid / p.num_n_blocks;
+    c.b = bhk / p.hk;
+    c.hkv = bhk % p.hk;
+    c.q_start = 0;
+    c.k_start = 0;
+    c.sq = p.sq;
+    c.sk = p.sk;
+    if (p.cu_seqlens_q) {
+        c.q_start = p.cu_seqlens_q[c.b];
+        c.sq = p.cu_seqlens_q[c.b + 1] - c.q_start;
+        c.k_start = p.cu_seqlens_k[c.b];
+        c.sk = p.cu_seqlens_k[c.b + 1] - c.k_start;
+    }
+    return c;
+}
+
 template <int D, int BR, int WARPS, bool BF16>
 struct FlashBwd {
     static constexpr int BC = 16 * WARPS;  // keys per block, 16 per warp
@@ -154,6 +190,10 @@ struct FlashBwd {
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int DS_BYTES = BC * BR * 2;
     static constexpr int ROW_BYTES = BR * 4;
+    // Query slices of the dPᵀ / dSᵀ / dK phase: more slices, fewer live dPᵀ registers, more
+    // reads of V. An experiment knob (FA_PARTS, default 1): 2 measured no faster (v3 notes).
+    static constexpr int PARTS = FA_PARTS;
+    static_assert(NT % (2 * PARTS) == 0, "parts of whole 16-query pairs");
     // K, V | Q[2], dO[2] | dSᵀ | lse[2], D[2]
     static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES + 4 * ROW_BYTES;
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
@@ -174,35 +214,41 @@ struct FlashBwd {
         return x;
     }
 
-    // Sᵀ = K Qᵀ for this warp's 16 keys and all BR queries (raw dot products).
-    static __device__ __forceinline__ void scores_t(FragC (&s)[NT], u32 sK, u32 sQ, int warp_key, int lane) {
+    // Sᵀ = K Qᵀ for this warp's 16 keys and the N · 8 queries from query q0 (raw dot products);
+    // q0 is a multiple of 16 (a compile-time constant once the callers' loops unroll).
+    template <int N>
+    static __device__ __forceinline__ void scores_t(FragC (&s)[N], u32 sK, u32 sQ, int q0, int warp_key, int lane) {
+        static_assert(N % 2 == 0 && N <= NT, "whole 16-query pairs inside the tile");
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < N; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nt].x[e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             FragA ka = load_a<D>(sK, warp_key, kk, lane);
 #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
+            for (int np = 0; np < N / 2; ++np) {
                 FragB b0, b1;
-                load_b_pair<D>(sQ, 16 * np, kk, lane, b0, b1);
+                load_b_pair<D>(sQ, q0 + 16 * np, kk, lane, b0, b1);
                 mma<BF16>(s[2 * np], ka, b0);
                 mma<BF16>(s[2 * np + 1], ka, b1);
             }
         }
     }
 
-    // acc += Aᵀ-in-registers · X, where the warp's 16 × BR fragment tile `a` (keys × queries) is the
-    // A operand and X (BR × D, row-major in shared memory) the B operand: dV += Pᵀ dO, dK += dSᵀ Q.
-    static __device__ __forceinline__ void accumulate_t(FragC (&acc)[DT], const FragA (&a)[BR / 16], u32 sX,
+    // acc += A · X over the 16 · K queries from query q0, where the warp's 16-key fragment tiles
+    // `a` (keys × queries) are the A operand and X (BR × D, row-major in shared memory) the B
+    // operand: dV += Pᵀ dO, dK += dSᵀ Q.
+    template <int K>
+    static __device__ __forceinline__ void accumulate_t(FragC (&acc)[DT], const FragA (&a)[K], u32 sX, int q0,
                                                         int lane) {
+        static_assert(K <= BR / 16, "inside the tile");
 #pragma unroll
-        for (int kk = 0; kk < BR / 16; ++kk) {
+        for (int kk = 0; kk < K; ++kk) {
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 FragB b0, b1;
-                load_b_pair_trans<D>(sX, 16 * kk, dp, lane, b0, b1);
+                load_b_pair_trans<D>(sX, q0 + 16 * kk, dp, lane, b0, b1);
                 mma<BF16>(acc[2 * dp], a[kk], b0);
                 mma<BF16>(acc[2 * dp + 1], a[kk], b1);
             }
@@ -296,19 +342,8 @@ struct FlashBwd {
     static __device__ __forceinline__ void run(const BwdParams& p, char* smem) {
         const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
         const int g = lane_id >> 2, t = lane_id & 3;
-        // Key tiles of one (sequence, kv head) are consecutive blocks, in order: the deterministic
-        // mode's waits only ever point at earlier blocks.
-        const int n_block = blockIdx.x % p.num_n_blocks;
-        const int bhk = blockIdx.x / p.num_n_blocks;
-        const int b = bhk / p.hk, hkv = bhk % p.hk;
-
-        int q_start = 0, k_start = 0, sq = p.sq, sk = p.sk;
-        if (p.cu_seqlens_q) {
-            q_start = p.cu_seqlens_q[b];
-            sq = p.cu_seqlens_q[b + 1] - q_start;
-            k_start = p.cu_seqlens_k[b];
-            sk = p.cu_seqlens_k[b + 1] - k_start;
-        }
+        const BlockCoords bc = block_coords(p);
+        const int n_block = bc.n_block, b = bc.b, hkv = bc.hkv, q_start = bc.q_start, sq = bc.sq, sk = bc.sk;
         const int col0 = n_block * BC;
         if (col0 >= sk) return;
         const int keys_valid = min(BC, sk - col0);
@@ -333,8 +368,8 @@ struct FlashBwd {
                   sDS = sDO0 + 2 * Q_BYTES, sL0 = sDS + DS_BYTES, sD0 = sL0 + 2 * ROW_BYTES;
         const int warp_key = 16 * warp;
 
-        const u16* gK = p.k + b * p.k_batch + (long long)(k_start + col0) * p.k_row + hkv * p.k_head;
-        const u16* gV = p.v + b * p.v_batch + (long long)(k_start + col0) * p.v_row + hkv * p.v_head;
+        const u16* gK = p.k + b * p.k_batch + (long long)(bc.k_start + col0) * p.k_row + hkv * p.k_head;
+        const u16* gV = p.v + b * p.v_batch + (long long)(bc.k_start + col0) * p.v_row + hkv * p.v_head;
 
         FragC dk[DT], dv[DT];
 #pragma unroll
@@ -349,13 +384,14 @@ struct FlashBwd {
         auto prefetch = [&](int w) {
             const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
             const int rows_valid = min(BR, sq - row0), buf = w & 1;
-            const long long tok = q_start + row0;
-            load_tile_async<BR, D, THREADS>(sQ0 + buf * Q_BYTES, p.q + b * p.q_batch + tok * p.q_row + h * p.q_head,
+            const BlockCoords c = block_coords(p);
+            const long long tok = c.q_start + row0;
+            load_tile_async<BR, D, THREADS>(sQ0 + buf * Q_BYTES, p.q + c.b * p.q_batch + tok * p.q_row + h * p.q_head,
                                             p.q_row, rows_valid, tid);
             load_tile_async<BR, D, THREADS>(sDO0 + buf * Q_BYTES,
-                                            p.dout + b * p.do_batch + tok * p.do_row + h * p.do_head, p.do_row,
+                                            p.dout + c.b * p.do_batch + tok * p.do_row + h * p.do_head, p.do_row,
                                             rows_valid, tid);
-            const long long li = b * p.lse_batch + h * p.lse_head + tok;
+            const long long li = c.b * p.lse_batch + h * p.lse_head + tok;
             load_row_floats(sL0 + buf * ROW_BYTES, p.lse + li, rows_valid, tid);
             load_row_floats(sD0 + buf * ROW_BYTES, p.dpsum + li, rows_valid, tid);
         };
@@ -386,7 +422,7 @@ struct FlashBwd {
 
             // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
             FragC s[NT];
-            scores_t(s, sK, sQ, warp_key, lane);
+            scores_t(s, sK, sQ, 0, warp_key, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -443,62 +479,68 @@ struct FlashBwd {
                         pa[kk] = scores_to_a<BF16>(s[2 * kk], s[2 * kk + 1]);
                     }
                 }
-                accumulate_t(dv, pa, sDO, lane);
+                accumulate_t(dv, pa, sDO, 0, lane);
             }
 
-            // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D).
-            FragC dp[NT];
-            scores_t(dp, sV, sDO, warp_key, lane);
-            FragA da[BR / 16];
+            // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D); dK += dSᵀ Q. In PARTS slices of the
+            // queries, so only a slice of dPᵀ is live next to Pᵀ, dK and dV (registers are full).
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int part = 0; part < PARTS; ++part) {
+                constexpr int PN = NT / PARTS;  // n-tiles (8 queries) per part
+                FragC dp[PN];
+                scores_t(dp, sV, sDO, 8 * PN * part, warp_key, lane);
+                FragA da[PN / 2];
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int col = 8 * nt + 2 * t + c;
-                    const float dd = ld_shared_f32(sD + 4 * col);
-                    // Softcap: dS is also multiplied by d(c·tanh(x/c))/dx = 1 - tanh². tanh is
-                    // recovered from P: the modified score is (log2 P + lse·log2 e)·ln 2 (plus the
-                    // ALiBi bias taken off it), so no register holds it across the products.
-                    float l2 = 0.f;
-                    if (FA_EXTRAS != 0 && p.mod.softcap > 0.f) {
-                        l2 = ld_shared_f32(sL + 4 * col);
-                        l2 = (l2 == -FA_INF) ? FA_INF : l2 * FA_LOG2E;
-                    }
+                for (int i = 0; i < PN; ++i)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        float x = dp[nt].x[2 * r + c];
-                        if (drop) x *= kept(bits, nt, r, c) ? p.dropout.scale : 0.f;
-                        const float pr = s[nt].x[2 * r + c];
-                        // A hidden pair's dS is 0 even where dPᵀ is not finite.
-                        float ds = pr == 0.f ? 0.f : pr * (x - dd);
-                        if (FA_EXTRAS != 0 && p.mod.softcap > 0.f && pr != 0.f) {
-                            const int key = col0 + warp_key + g + 8 * r;
-                            float sm = (__log2f(pr) + l2) * FA_LN2;
-                            if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
-                            const float th = sm / p.mod.softcap;
-                            ds *= 1.f - th * th;
+                    for (int c = 0; c < 2; ++c) {
+                        const int nt = part * PN + i;
+                        const int col = 8 * nt + 2 * t + c;
+                        const float dd = ld_shared_f32(sD + 4 * col);
+                        // Softcap: dS is also multiplied by d(c·tanh(x/c))/dx = 1 - tanh². tanh is
+                        // recovered from P: the modified score is (log2 P + lse·log2 e)·ln 2 (plus
+                        // the ALiBi bias taken off it), so no register holds it across the products.
+                        float l2 = 0.f;
+                        if (FA_EXTRAS != 0 && p.mod.softcap > 0.f) {
+                            l2 = ld_shared_f32(sL + 4 * col);
+                            l2 = (l2 == -FA_INF) ? FA_INF : l2 * FA_LOG2E;
                         }
-                        dp[nt].x[2 * r + c] = ds;
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            float x = dp[i].x[2 * r + c];
+                            if (drop) x *= kept(bits, nt, r, c) ? p.dropout.scale : 0.f;
+                            const float pr = s[nt].x[2 * r + c];
+                            // A hidden pair's dS is 0 even where dPᵀ is not finite.
+                            float ds = pr == 0.f ? 0.f : pr * (x - dd);
+                            if (FA_EXTRAS != 0 && p.mod.softcap > 0.f && pr != 0.f) {
+                                const int key = col0 + warp_key + g + 8 * r;
+                                float sm = (__log2f(pr) + l2) * FA_LN2;
+                                if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
+                                const float th = sm / p.mod.softcap;
+                                ds *= 1.f - th * th;
+                            }
+                            dp[i].x[2 * r + c] = ds;
+                        }
                     }
-                }
 #pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
+                for (int kk = 0; kk < PN / 2; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
 
-            // dSᵀ to shared memory ([key][query], swizzled) for dQ, before the barrier.
+                // dSᵀ to shared memory ([key][query], swizzled) for dQ, before the barrier.
 #pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk)
+                for (int kk = 0; kk < PN / 2; ++kk)
 #pragma unroll
-                for (int h2 = 0; h2 < 2; ++h2)
+                    for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = warp_key + g + 8 * r, chunk = 2 * kk + h2;
-                        const u32 word = da[kk].x[2 * h2 + r];
-                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + swizzled_offset<BR>(row, chunk) + 4 * t),
-                                     "r"(word));
-                    }
+                        for (int r = 0; r < 2; ++r) {
+                            const int row = warp_key + g + 8 * r, chunk = 2 * (part * PN / 2 + kk) + h2;
+                            const u32 word = da[kk].x[2 * h2 + r];
+                            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + swizzled_offset<BR>(row, chunk) + 4 * t),
+                                         "r"(word));
+                        }
 
-            // dK += dSᵀ Q (the scale is applied once at the end).
-            accumulate_t(dk, da, sQ, lane);
+                // dK += dSᵀ Q (the scale is applied once at the end).
+                accumulate_t(dk, da, sQ, 8 * PN * part, lane);
+            }
             __syncthreads();  // dSᵀ complete
 
             // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
@@ -527,10 +569,13 @@ struct FlashBwd {
             __syncthreads();  // dSᵀ and buffer w free for reuse
         }
 
-        u16* gdK = p.dk + b * p.dk_batch + (long long)(k_start + col0) * p.dk_row + hkv * p.dk_head;
-        u16* gdV = p.dv + b * p.dv_batch + (long long)(k_start + col0) * p.dv_row + hkv * p.dv_head;
-        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, keys_valid, lane_id);
-        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, keys_valid, lane_id);
+        const BlockCoords e = block_coords(p);
+        const long long k0 = e.k_start + e.n_block * BC;
+        const int kv = min(BC, e.sk - e.n_block * BC);
+        u16* gdK = p.dk + e.b * p.dk_batch + k0 * p.dk_row + e.hkv * p.dk_head;
+        u16* gdV = p.dv + e.b * p.dv_batch + k0 * p.dv_row + e.hkv * p.dv_head;
+        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, kv, lane_id);
+        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, kv, lane_id);
     }
 };
 

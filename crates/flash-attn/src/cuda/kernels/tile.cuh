@@ -55,19 +55,26 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // Copies rows [0, ROWS) of a tile whose row r starts at g + r * row_stride (elements) into the
 // swizzled tile at `tile`; rows >= rows_valid are zero-filled. All THREADS threads take part.
+// A thread copies one 16-byte chunk column, every ROWS_PER_PASS-th row: one pointer stepping by
+// a fixed stride, so the per-thread addresses cost two registers, not one pair per chunk.
 template <int ROWS, int D, int THREADS>
 __device__ __forceinline__ void load_tile_async(u32 tile, const u16* g, long long row_stride, int rows_valid,
                                                 int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
-    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-    static_assert(CHUNKS % THREADS == 0, "tile must split evenly over the threads");
+    static_assert(THREADS % CHUNKS_PER_ROW == 0, "a pass must cover whole rows");
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
+    static_assert(ROWS % ROWS_PER_PASS == 0, "tile must split evenly over the threads");
+    static_assert(ROWS_PER_PASS % 8 == 0, "every pass must keep the swizzle phase (row & 7)");
+    const int r0 = tid / CHUNKS_PER_ROW, ch = tid % CHUNKS_PER_ROW;
+    const u16* src = g + r0 * row_stride + ch * 8;
+    const long long step = ROWS_PER_PASS * row_stride;
+    const u32 dst = tile + swizzled_offset<D>(r0, ch);
 #pragma unroll
-    for (int it = 0; it < CHUNKS / THREADS; ++it) {
-        int c = it * THREADS + tid;
-        int r = c / CHUNKS_PER_ROW, ch = c % CHUNKS_PER_ROW;
-        bool valid = r < rows_valid;
-        const u16* src = valid ? g + r * row_stride + ch * 8 : g;
-        cp_async_16(tile + swizzled_offset<D>(r, ch), src, valid);
+    for (int it = 0; it < ROWS / ROWS_PER_PASS; ++it) {
+        const int r = r0 + it * ROWS_PER_PASS;
+        const bool valid = r < rows_valid;
+        cp_async_16(dst + (u32)(it * ROWS_PER_PASS * D * 2), valid ? src : g, valid);
+        src += step;
     }
 }
 
@@ -83,33 +90,53 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& a, u32& b, u32&
                  : "r"(addr));
 }
 
-// A operand: rows [row0, row0 + 16) x cols [16 kk, 16 kk + 16) of a row-major swizzled tile.
-// Lanes 0-15 address rows row0 + lane at chunk 2kk, lanes 16-31 the same rows at chunk 2kk + 1.
+// Fragment addresses. A thread's ldmatrix row r and logical chunk c = 2·kk + h (h: 0 or 1, from
+// the lane) sit at tile + r·2D + 16·((c & ~7) | ((c & 7) ^ (r & 7))). With kk = 4a + b that is
+//   (tile + r·2D + 16·(h ^ (r & 7))) ^ (32·b)  +  128·a
+// because 2b and h occupy different bits and rows start 128-byte aligned. So every address of
+// one operand derives from a single per-lane base: one XOR and an immediate offset per load,
+// instead of a register held per (kk, lane) pattern.
+__device__ __forceinline__ u32 frag_addr(u32 lane_base, int kk) {
+    return (lane_base ^ (u32)(32 * (kk & 3))) + (u32)(128 * (kk >> 2));
+}
+
+// Per-lane base of A operands (and of B operands stored [n][k] by 16-row pairs, `load_b_pair`
+// below): lanes 0-15 address rows lane at chunk h = 0, lanes 16-31 the same rows at h = 1.
+template <int D>
+__device__ __forceinline__ u32 lane_base_a(u32 tile, int lane) {
+    const int r = lane & 15, h = lane >> 4;
+    return tile + (u32)(r * D * 2) + (u32)(16 * (h ^ (r & 7)));
+}
+
+// A operand: rows [row0, row0 + 16) x cols [16 kk, 16 kk + 16) of a row-major swizzled tile
+// (row0 a multiple of 16).
 template <int D>
 __device__ __forceinline__ FragA load_a(u32 tile, int row0, int kk, int lane) {
     FragA a;
-    u32 addr = tile + swizzled_offset<D>(row0 + (lane & 15), 2 * kk + (lane >> 4));
+    u32 addr = frag_addr(lane_base_a<D>(tile, lane), kk) + (u32)(row0 * D * 2);
     ldmatrix_x4(addr, a.x[0], a.x[1], a.x[2], a.x[3]);
     return a;
 }
 
 // B operands of two n-tiles from a tile stored [n][k] (K in Q·Kᵀ): rows n0..n0+15, k-chunk
-// pair kk. Matrices: (n0..7, k lo), (n0..7, k hi), (n8..15, k lo), (n8..15, k hi).
+// pair kk (n0 a multiple of 16). Matrices: (n0..7, k lo), (n0..7, k hi), (n8..15, k lo),
+// (n8..15, k hi): lane row (lane & 7) + 8·(lane >> 4), chunk half (lane >> 3) & 1.
 template <int D>
 __device__ __forceinline__ void load_b_pair(u32 tile, int n0, int kk, int lane, FragB& b0, FragB& b1) {
-    int row = n0 + (lane & 7) + ((lane >> 4) << 3);
-    int chunk = 2 * kk + ((lane >> 3) & 1);
-    ldmatrix_x4(tile + swizzled_offset<D>(row, chunk), b0.x[0], b0.x[1], b1.x[0], b1.x[1]);
+    const int r = (lane & 7) + ((lane >> 4) << 3), h = (lane >> 3) & 1;
+    const u32 base = tile + (u32)(r * D * 2) + (u32)(16 * (h ^ (r & 7)));
+    ldmatrix_x4(frag_addr(base, kk) + (u32)(n0 * D * 2), b0.x[0], b0.x[1], b1.x[0], b1.x[1]);
 }
 
 // B operands of two n-tiles from a tile stored [k][n] (V in P·V), transposed on load: keys
-// k0..k0+15, columns (head dim) 16 dp .. 16 dp + 15. Matrices: (k lo, n lo), (k hi, n lo),
-// (k lo, n hi), (k hi, n hi).
+// k0..k0+15 (a multiple of 16), columns (head dim) 16 dp .. 16 dp + 15. Matrices: (k lo, n lo),
+// (k hi, n lo), (k lo, n hi), (k hi, n hi): lane row (lane & 7) + 8·((lane >> 3) & 1), chunk
+// half lane >> 4.
 template <int D>
 __device__ __forceinline__ void load_b_pair_trans(u32 tile, int k0, int dp, int lane, FragB& b0, FragB& b1) {
-    int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
-    int chunk = 2 * dp + (lane >> 4);
-    ldmatrix_x4_trans(tile + swizzled_offset<D>(row, chunk), b0.x[0], b0.x[1], b1.x[0], b1.x[1]);
+    const int r = (lane & 7) + (((lane >> 3) & 1) << 3), h = lane >> 4;
+    const u32 base = tile + (u32)(r * D * 2) + (u32)(16 * (h ^ (r & 7)));
+    ldmatrix_x4_trans(frag_addr(base, dp) + (u32)(k0 * D * 2), b0.x[0], b0.x[1], b1.x[0], b1.x[1]);
 }
 
 // ---------------------------------------------------------------- mma and conversions
