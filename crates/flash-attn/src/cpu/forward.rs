@@ -226,7 +226,11 @@ impl<T: Element> Context<'_, T> {
             let deferred = smod.deferrable_scale();
             score_tile(&mut sc.s, bc, (qk, deferred.is_some()), d, rows.clone(), cols.clone(), smod, class, &vis, None);
             // m, l, P and the rescale of O (lines 10-12), then O_i += P_ij V_j.
-            sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv, deferred.unwrap_or(1.0));
+            // On bf16 pairs without dropout, P goes straight to the pairs of the second product.
+            let ldp = bc.div_ceil(2);
+            let fused = sc.pairs.as_mut().filter(|_| dropout.is_none()).map(|pt| (&mut pt.p[..], ldp));
+            let p_in_pairs = fused.is_some();
+            sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv, deferred.unwrap_or(1.0), fused);
             if let Some(rng) = &dropout {
                 // Dropout acts on P after l has summed it: lse stays that of the full softmax.
                 for (r, i) in rows.clone().enumerate() {
@@ -235,12 +239,13 @@ impl<T: Element> Context<'_, T> {
             }
             if let (Some(bits), Some(pt)) = (self.bf16, sc.pairs.as_mut()) {
                 // O_i += P_ij V_j on pairs of keys: P rounded to bf16, V interleaved by key pairs.
-                let ldp = bc.div_ceil(2);
                 let v = pt.v_cache.tile(key_tile, &mut pt.v, |dst, slot| {
                     pack_row_pairs(dst, dv, bits.v, g.v, seq, seq.k_start, packed(slot), kv_head, dv)
                 });
-                for r in 0..nr {
-                    narrow_to_pairs(&mut pt.p[r * ldp..], &sc.s[r * bc..r * bc + nc]);
+                if !p_in_pairs {
+                    for r in 0..nr {
+                        narrow_to_pairs(&mut pt.p[r * ldp..], &sc.s[r * bc..r * bc + nc]);
+                    }
                 }
                 if class == TileClass::Full {
                     gemm_bf16(&mut sc.o, dv, &pt.p, ldp, v, dv, (nr, dv, nc.div_ceil(2)), true);

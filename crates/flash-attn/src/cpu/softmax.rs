@@ -6,7 +6,8 @@
 
 use std::f32::consts::LOG2_E;
 
-use super::vexp::{exp_scaled_sub_sum, row_max};
+use super::gemm::Bf16Pair;
+use super::vexp::{exp_scaled_sub_sum, exp_scaled_sum_to_pairs, row_max};
 
 /// Running row maxima and sums of one query tile.
 #[derive(Debug, Default)]
@@ -28,7 +29,19 @@ impl OnlineSoftmax {
     /// valid) into probabilities `e^(scale · s - m_new)` in place and rescales the output rows `o`
     /// (stride `dv`) by `e^(m_old - m_new)` where the maximum grew. `scale > 0` (so the maximum of
     /// `scale · s` is `scale` times that of `s`, rounding included); 1 for a tile already scaled.
-    pub fn update(&mut self, s: &mut [f32], ld_s: usize, cols: usize, o: &mut [f32], dv: usize, scale: f32) {
+    /// With `pairs = Some((p, ld))`, the probabilities go to `p` as `bf16` pairs (rows of stride
+    /// `ld` words) instead, and `s` is left undefined.
+    #[allow(clippy::too_many_arguments)]
+    pub fn update(
+        &mut self,
+        s: &mut [f32],
+        ld_s: usize,
+        cols: usize,
+        o: &mut [f32],
+        dv: usize,
+        scale: f32,
+        mut pairs: Option<(&mut [Bf16Pair], usize)>,
+    ) {
         debug_assert!(scale > 0.0);
         for (r, (m, l)) in self.row_max.iter_mut().zip(&mut self.row_sum).enumerate() {
             let row = &mut s[r * ld_s..r * ld_s + cols];
@@ -41,6 +54,9 @@ impl OnlineSoftmax {
                     *l = f32::NAN;
                 }
                 row.fill(0.0);
+                if let Some((p, ld)) = pairs.as_mut() {
+                    p[r * *ld..r * *ld + cols.div_ceil(2)].fill(0);
+                }
                 continue;
             }
             if m_new > *m {
@@ -50,7 +66,10 @@ impl OnlineSoftmax {
                 o[r * dv..(r + 1) * dv].iter_mut().for_each(|x| *x *= alpha);
                 *m = m_new;
             }
-            *l += exp_scaled_sub_sum(row, scale, m_new);
+            *l += match pairs.as_mut() {
+                Some((p, ld)) => exp_scaled_sum_to_pairs(row, scale, m_new, &mut p[r * *ld..]),
+                None => exp_scaled_sub_sum(row, scale, m_new),
+            };
         }
     }
 
@@ -82,7 +101,7 @@ mod tests {
         for tile in [0..2, 2..6] {
             let mut s: Vec<f32> = scores[tile.clone()].to_vec();
             let n = s.len();
-            st.update(&mut s, n, n, &mut o, 1, 1.0);
+            st.update(&mut s, n, n, &mut o, 1, 1.0, None);
             for (p, vi) in s.iter().zip(&values[tile]) {
                 o[0] += p * vi;
             }
@@ -100,7 +119,7 @@ mod tests {
         st.reset(1);
         let mut s = [f32::NEG_INFINITY; 3];
         let mut o = [0.0f32; 2];
-        st.update(&mut s, 3, 3, &mut o, 2, 1.0);
+        st.update(&mut s, 3, 3, &mut o, 2, 1.0, None);
         assert_eq!(s, [0.0; 3]);
         assert!(st.finish(0).is_none());
     }

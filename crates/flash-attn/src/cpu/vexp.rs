@@ -12,7 +12,8 @@
 //! of f32). The portable path uses
 //! the C library's `exp2f`.
 
-use super::gemm::{detect, Path};
+use super::gemm::{bf16_pairs_fast, detect, Bf16Pair, Path};
+use super::pairs::narrow_to_pairs;
 
 /// `max_j row[j]` (`-inf` for an empty row; NaN entries are ignored, as by `f32::max`).
 #[inline]
@@ -47,6 +48,23 @@ pub fn exp_scaled_sub_sum(row: &mut [f32], scale: f32, m: f32) -> f32 {
         *p = ((*p * scale - m) * std::f32::consts::LOG2_E).exp2();
         sum += *p;
     }
+    sum
+}
+
+/// [`exp_scaled_sub_sum`] with the probabilities rounded to `bf16` pairs into `dst` (the `A`
+/// operand of `O += P V` on pairs; an odd length padded with zero) instead of written back:
+/// on AVX-512 BF16 the `f32` probabilities never leave the registers, which saves the pass of
+/// [`narrow_to_pairs`](super::pairs::narrow_to_pairs) over them. `row` may be clobbered. The sum
+/// and the pairs are bitwise those of the two passes.
+pub fn exp_scaled_sum_to_pairs(row: &mut [f32], scale: f32, m: f32, dst: &mut [Bf16Pair]) -> f32 {
+    assert!(dst.len() >= row.len().div_ceil(2), "exp_scaled_sum_to_pairs: destination too short");
+    #[cfg(target_arch = "x86_64")]
+    if bf16_pairs_fast() {
+        // SAFETY: AVX-512F and AVX-512 BF16 are available (checked); `dst` is long enough.
+        return unsafe { x86::exp_scaled_sum_to_pairs(row, scale, m, dst) };
+    }
+    let sum = exp_scaled_sub_sum(row, scale, m);
+    narrow_to_pairs(dst, row);
     sum
 }
 
@@ -128,6 +146,50 @@ mod x86 {
         }
         _mm512_reduce_add_ps(sum)
     }
+
+    /// The lanes `0..k` of 16.
+    fn lanes(k: usize) -> __mmask16 {
+        if k >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << k) - 1) as u16
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F and AVX-512 BF16 available; `dst.len() >= row.len().div_ceil(2)`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn exp_scaled_sum_to_pairs(row: &mut [f32], scale: f32, m: f32, dst: &mut [u32]) -> f32 {
+        let (mv, sv) = (_mm512_set1_ps(m), _mm512_set1_ps(scale));
+        let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+        let mut sum = _mm512_setzero_ps();
+        let n = row.len();
+        let (sp, dp) = (row.as_ptr(), dst.as_mut_ptr());
+        let mut j = 0;
+        while j < n {
+            let w = (n - j).min(32);
+            let (k_lo, k_hi) = (lanes(w), lanes(w.saturating_sub(16)));
+            // SAFETY: loads masked to the `w` valid floats from `j` (the high half's address may
+            // lie past the row when `k_hi = 0`, and is then never read), the store to the
+            // `w.div_ceil(2)` words from `j / 2`, in bounds by the caller's contract. Masked-off
+            // lanes become exact zeros: they pad an odd tail and add nothing to the sum, which
+            // adds the two halves in the order of `exp_scaled_sub_sum`.
+            unsafe {
+                let lo = _mm512_maskz_loadu_ps(k_lo, sp.add(j));
+                let hi = _mm512_maskz_loadu_ps(k_hi, sp.wrapping_add(j + 16));
+                let p_lo = _mm512_maskz_mov_ps(k_lo, exp2(_mm512_mul_ps(_mm512_fmsub_ps(lo, sv, mv), log2e)));
+                let p_hi = _mm512_maskz_mov_ps(k_hi, exp2(_mm512_mul_ps(_mm512_fmsub_ps(hi, sv, mv), log2e)));
+                sum = _mm512_add_ps(sum, p_lo);
+                if w > 16 {
+                    sum = _mm512_add_ps(sum, p_hi);
+                }
+                let bf: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(p_hi, p_lo));
+                _mm512_mask_storeu_epi32(dp.add(j / 2).cast(), lanes(w.div_ceil(2)), bf);
+            }
+            j += w;
+        }
+        _mm512_reduce_add_ps(sum)
+    }
 }
 
 #[cfg(test)]
@@ -171,6 +233,24 @@ mod tests {
         for n in 0..40 {
             let row: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
             assert_eq!(row_max(&row), row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+        }
+    }
+
+    #[test]
+    fn fused_pairs_equal_exp_then_narrow() {
+        for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 77, 128] {
+            let row: Vec<f32> =
+                (0..n).map(|i| if i % 7 == 3 { f32::NEG_INFINITY } else { (i as f32 * 0.37).sin() * 9.0 }).collect();
+            let (scale, m) = (0.125f32, 1.0f32);
+            let mut two = row.clone();
+            let sum_two = exp_scaled_sub_sum(&mut two, scale, m);
+            let mut want = vec![0u32; n.div_ceil(2)];
+            narrow_to_pairs(&mut want, &two);
+            let mut got = vec![u32::MAX; n.div_ceil(2) + 1];
+            let sum = exp_scaled_sum_to_pairs(&mut row.clone(), scale, m, &mut got);
+            assert_eq!(sum.to_bits(), sum_two.to_bits(), "n = {n}");
+            assert_eq!(&got[..n.div_ceil(2)], &want[..], "n = {n}");
+            assert_eq!(got[n.div_ceil(2)], u32::MAX, "wrote past the pairs, n = {n}");
         }
     }
 }
