@@ -10,6 +10,7 @@ use std::any::TypeId;
 use std::ops::Range;
 
 use super::gemm::Bf16Pair;
+use super::transpose::transpose;
 use crate::dtype::Element;
 use crate::spec::{RowLayout, Sequence};
 
@@ -74,10 +75,21 @@ pub(super) fn pack_rows_transposed(
     head: usize,
     dim: usize,
 ) {
+    let words = dim / 2;
+    if let Some(src_words) = word_rows(src, layout, seq, start, rows.clone(), head, words) {
+        // The common case: rows start on 4-byte boundaries, so `Kᵀ` pairs are a transpose of
+        // words (16 × 16 blocks through registers); an odd last element is paired with zero.
+        transpose(dst, ld, src_words, layout.token_stride / 2, rows.len(), words);
+        if dim % 2 == 1 {
+            for (c, i) in rows.enumerate() {
+                dst[words * ld + c] = pair(src[layout.row(seq, start, i, head) + dim - 1], 0);
+            }
+        }
+        return;
+    }
     // Sixteen rows at a time, so each word of the result is written as part of a 64-byte run
     // (row by row, every word lands on a different line of `dst`).
     const GROUP: usize = 16;
-    let words = dim / 2;
     for c0 in (0..rows.len()).step_by(GROUP) {
         let n = GROUP.min(rows.len() - c0);
         let mut group = [&src[..0]; GROUP];
@@ -96,6 +108,33 @@ pub(super) fn pack_rows_transposed(
             }
         }
     }
+}
+
+/// The first `words` words of rows `rows` of head `head`, as one `u32` view of row stride
+/// `token_stride / 2`; `None` unless every row starts on a 4-byte boundary.
+#[allow(clippy::too_many_arguments)]
+fn word_rows<'s>(
+    src: &'s [u16],
+    layout: RowLayout,
+    seq: &Sequence,
+    start: usize,
+    rows: Range<usize>,
+    head: usize,
+    words: usize,
+) -> Option<&'s [u32]> {
+    // A little-endian word of two `bf16` is `pair(lo, hi)`.
+    if cfg!(target_endian = "big") || rows.is_empty() || words == 0 || layout.token_stride % 2 == 1 {
+        return None;
+    }
+    let at = layout.row(seq, start, rows.start, head);
+    let len = ((rows.len() - 1) * layout.token_stride + 2 * words) / 2;
+    let first = src.get(at..at + 2 * len)?;
+    if first.as_ptr().align_offset(std::mem::align_of::<u32>()) != 0 {
+        return None;
+    }
+    // SAFETY: `first` is `2 · len` initialised `u16`s starting on a 4-byte boundary (checked
+    // above): the same bytes are `len` valid `u32`s, borrowed for as long as `src`.
+    Some(unsafe { std::slice::from_raw_parts(first.as_ptr().cast::<u32>(), len) })
 }
 
 /// Rows `rows` of head `head` interleaved two by two: `dst[q · ld + x]` = element `x` of rows
