@@ -303,17 +303,24 @@ pub fn backward_into<T: Element>(
     // dQ = Σ over chunks, in chunk order, rounded once.
     let dq_sink = Sink::new(dq.data_mut());
     let (hq, d, total_q) = (g.hq, g.d, g.total_q);
-    (0..total_q).into_par_iter().for_each(|t| {
-        for h in 0..hq {
-            let at = t * dq_layout.token_stride + h * dq_layout.head_stride;
-            for x in 0..d {
-                let sum = (0..chunks).fold(0.0f32, |acc, c| acc + dq_acc[((c * hq + h) * total_q + t) * d + x]);
-                // SAFETY: token t is written by this iteration alone; `dq` was validated in
-                // bounds and non-overlapping.
-                unsafe { dq_sink.write(at + x, T::from_f32(sum)) };
+    (0..total_q).into_par_iter().for_each_init(
+        || vec![0.0f32; d],
+        |sum, t| {
+            for h in 0..hq {
+                // Row by row, so the additions vectorise; each element still sums 0 + chunk 0 +
+                // chunk 1 + … in that order.
+                sum.fill(0.0);
+                for c in 0..chunks {
+                    let at = ((c * hq + h) * total_q + t) * d;
+                    sum.iter_mut().zip(&dq_acc[at..at + d]).for_each(|(s, &x)| *s += x);
+                }
+                let at = t * dq_layout.token_stride + h * dq_layout.head_stride;
+                // SAFETY: token t is written by this iteration alone; its row of `d` elements
+                // is contiguous inside the validated, non-overlapping `dq` view.
+                T::narrow_slice(sum, unsafe { dq_sink.slice_mut(at, d) });
             }
-        }
-    });
+        },
+    );
     Ok(())
 }
 
