@@ -3,8 +3,9 @@
 //! `--forward-only`, the backward pass, about a third of the cases with dropout.
 //!
 //! On `--device cuda` the cases are restricted to what the CUDA backend supports (f16/bf16,
-//! `d == dv` in {64, 128}, no block mask, strides in multiples of 8 elements; softcap, ALiBi and
-//! dropout included) and run on GPU 0, forward and backward; the oracle runs on the host.
+//! `d == dv` a multiple of 8 up to 128, or 256 with `--forward-only`; no block mask, strides in
+//! multiples of 8 elements; softcap, ALiBi and dropout included) and run on GPU 0, forward and
+//! backward; the oracle runs on the host.
 
 use std::fmt;
 use std::process::ExitCode;
@@ -53,7 +54,8 @@ pub fn main(args: &CheckArgs) -> Result<ExitCode> {
     if let Some(name) = gpu_name {
         println!(
             "cuda: {name}; cases restricted to what the CUDA backend supports \
-             (f16/bf16, d = dv in {{64, 128}}, no block mask)"
+             (f16/bf16, d = dv a multiple of 8 up to {}, no block mask)",
+            if args.forward_only { 256 } else { 128 }
         );
     }
     let forward_only = args.forward_only;
@@ -61,7 +63,7 @@ pub fn main(args: &CheckArgs) -> Result<ExitCode> {
     let progress = Progress::bar(args.cases as u64, "check");
     let (mut passed, mut failed) = (0usize, 0usize);
     for n in 0..args.cases {
-        let case = if cuda { random_cuda_case(&mut rng) } else { Case::random(&mut rng) };
+        let case = if cuda { random_cuda_case(&mut rng, forward_only) } else { Case::random(&mut rng) };
         let dropout = if forward_only { None } else { random_dropout(&case) };
         let mut failures = Vec::new();
         let forward = if cuda { gpu::run_case(&case) } else { case.run_cpu().map_err(Into::into) };
@@ -110,15 +112,17 @@ fn random_dropout(case: &Case) -> Option<Dropout> {
     Some(Dropout { p, seed, offset })
 }
 
-/// A random case inside what the CUDA kernels support: f16 or bf16, `d == dv` in {64, 128}, no
-/// block mask, row strides in multiples of 8 elements; about a third of the cases get sequences
-/// up to 400 long (several query and key tiles, ragged tails). The other options (GQA, varlen
-/// with empty sequences, both causal alignments, windows, softcap, ALiBi, scale, strided layouts)
-/// are drawn as for the CPU.
-fn random_cuda_case(rng: &mut Rng) -> Case {
+/// A random case inside what the CUDA kernels support: f16 or bf16, `d == dv` a multiple of 8 (half
+/// the cases 64 or 128, the compiled tile widths; the others any multiple of 8 up to 128, or 256
+/// when only the forward runs, padded by the kernels), no block mask, row strides in multiples of
+/// 8 elements; about a third of the cases get sequences up to 400 long (several query and key
+/// tiles, ragged tails). The other options (GQA, varlen with empty sequences, both causal
+/// alignments, windows, softcap, ALiBi, scale, strided layouts) are drawn as for the CPU.
+fn random_cuda_case(rng: &mut Rng, forward_only: bool) -> Case {
     let mut c = Case::random(rng);
     c.dtype = rng.pick(&[DType::BF16, DType::F16]);
-    c.d = rng.pick(&[64, 128]);
+    let widest = if forward_only { 256 } else { 128 };
+    c.d = if rng.chance(0.5) { rng.pick(&[64, 128]) } else { 8 * rng.range(1, widest / 8) };
     c.dv = c.d;
     c.block = None;
     if rng.chance(0.3) {
@@ -166,9 +170,11 @@ mod tests {
     fn cuda_cases_stay_inside_what_the_cuda_kernels_support() {
         let mut rng = Rng::new(3);
         for _ in 0..500 {
-            let c = random_cuda_case(&mut rng);
+            let forward_only = rng.chance(0.5);
+            let c = random_cuda_case(&mut rng, forward_only);
             assert!(matches!(c.dtype, DType::BF16 | DType::F16), "{c}");
-            assert!((c.d == 64 || c.d == 128) && c.dv == c.d, "{c}");
+            let widest = if forward_only { 256 } else { 128 };
+            assert!(c.d.is_multiple_of(8) && (8..=widest).contains(&c.d) && c.dv == c.d, "{c}");
             assert!(c.block.is_none(), "{c}");
             if let Storage::Strided { pad } = c.storage {
                 assert_eq!(pad % 8, 0, "{c}");

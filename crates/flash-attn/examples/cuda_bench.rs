@@ -141,6 +141,9 @@ fn sanitize() -> Result<()> {
         (128, Causal::BottomRight, false),
         (64, Causal::TopLeft, true),
         (128, Causal::None, true),
+        // Head dims between the tile widths: zero-filled columns, stores cut at d.
+        (40, Causal::None, false),
+        (96, Causal::BottomRight, true),
     ]
     .into_iter()
     .enumerate()
@@ -181,6 +184,20 @@ fn sanitize() -> Result<()> {
                 if rep.passed() { "pass".to_string() } else { format!("FAIL {rep}") }
             );
         }
+    }
+    // Forward-only head dims past the backward's widest tile.
+    for (i, (d, varlen)) in [(200, false), (256, true)].into_iter().enumerate() {
+        let mut c = random_case(&mut rng);
+        (c.d, c.dv, c.varlen, c.window) = (d, d, varlen, None);
+        c.seqlens = if varlen { vec![(37, 150), (130, 61), (0, 5)] } else { vec![(131, 77); 2] };
+        let data = c.data::<bf16>();
+        let spec = c.spec(&data);
+        let [q, k, v] = data.views();
+        let ours = cuda::forward_host(&spec, &q, &k, &v)?;
+        let oracle = reference::forward(&spec, &q, &k, &v)?;
+        let naive = reference::naive(&spec, &q, &k, &v)?;
+        let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
+        println!("sanitize forward-only case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
     }
     Ok(())
 }

@@ -26,10 +26,63 @@ fn unsupported_options_are_typed_errors() {
     let spec = AttentionSpec::new().block_mask(Tensor::new(&mask, &[2, 2]), 4, 4);
     let r = cuda::forward_host(&spec, &t, &t, &t);
     assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
-    let y = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 96];
-    let t = Tensor::new(&y, &[2, 8, 2, 96]);
+    // A head dim that is no multiple of 8 (loads move 16-byte chunks).
+    let y = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 100];
+    let t = Tensor::new(&y, &[2, 8, 2, 100]);
+    let r = cuda::forward_host(&AttentionSpec::new(), &t, &t, &t);
+    assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
+    // Wider than the widest tile: 256 for the forward, 128 for the backward.
+    let y = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 264];
+    let t = Tensor::new(&y, &[2, 8, 2, 264]);
     let r = cuda::forward_host(&AttentionSpec::new(), &t, &t, &t);
     assert!(matches!(r, Err(Error::HeadDim { .. })), "{r:?}");
+    let y = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 136];
+    let t = Tensor::new(&y, &[2, 8, 2, 136]);
+    let lse = vec![0f32; 2 * 2 * 8];
+    let r = cuda::backward_host(&AttentionSpec::new(), &t, &t, &t, &t, &lse, &t);
+    assert!(matches!(r, Err(Error::HeadDim { .. })), "{r:?}");
+}
+
+#[test]
+fn head_dims_pad_to_the_compiled_tile_widths() {
+    for (d, fwd, bwd) in
+        [(8, 64, Some(64)), (64, 64, Some(64)), (72, 128, Some(128)), (136, 256, None), (256, 256, None)]
+    {
+        assert_eq!(cuda::padded_head_dim(d, false), Some(fwd), "forward d = {d}");
+        assert_eq!(cuda::padded_head_dim(d, true), bwd, "backward d = {d}");
+    }
+    for d in [0, 4, 60, 264] {
+        assert_eq!(cuda::padded_head_dim(d, false), None, "d = {d}");
+    }
+}
+
+#[test]
+fn head_dims_between_the_tile_widths_meet_the_contract() {
+    if cuda::default_device().is_err() {
+        return;
+    }
+    let mut rng = Rng::new(23);
+    for d in [8, 24, 40, 72, 96, 120, 136, 200, 256] {
+        for _ in 0..3 {
+            let mut c = random_cuda_case(&mut rng);
+            c.d = d;
+            c.dv = d;
+            let data = c.data::<bf16>();
+            let spec = c.spec(&data);
+            let [q, k, v] = data.views();
+            let ours = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
+            let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
+            let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
+            let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
+            assert!(rep.passed(), "{c}: {rep}");
+            if d <= 128 {
+                match c.dtype {
+                    DType::F16 => backward_case::<half::f16>(&c, None),
+                    _ => backward_case::<bf16>(&c, None),
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -54,7 +107,8 @@ fn forward_meets_the_numerics_contract_on_random_cases() {
     for _ in 0..40 {
         let mut c = Case::random(&mut rng);
         c.dtype = DType::BF16;
-        c.d = rng.pick(&[64, 128]);
+        // Half the cases at a compiled tile width, half any multiple of 8 the forward takes.
+        c.d = if rng.chance(0.5) { rng.pick(&[64, 128]) } else { 8 * rng.range(1, 32) };
         c.dv = c.d;
         c.block = None;
         if let Storage::Strided { .. } = c.storage {
@@ -102,7 +156,8 @@ fn fully_masked_rows_give_zero_output_and_neg_inf_lse() {
 fn random_cuda_case(rng: &mut Rng) -> Case {
     let mut c = Case::random(rng);
     c.dtype = rng.pick(&[DType::BF16, DType::F16]);
-    c.d = rng.pick(&[64, 128]);
+    // Half the cases at a compiled tile width, half any multiple of 8 the backward takes.
+    c.d = if rng.chance(0.5) { rng.pick(&[64, 128]) } else { 8 * rng.range(1, 16) };
     c.dv = c.d;
     c.block = None;
     if let Storage::Strided { .. } = c.storage {

@@ -32,7 +32,7 @@ pub(crate) fn backward_source() -> String {
 pub struct Variant {
     /// `bf16` or `f16`.
     pub dtype: DType,
-    /// Head dimension of q, k and v.
+    /// Tile width: the head dimension of q, k and v, or the compiled width that pads it.
     pub d: usize,
     /// 16-row tiles per warp: a warp owns `16 · mt` query rows.
     pub mt: usize,
@@ -45,8 +45,25 @@ pub struct Variant {
     pub extras: bool,
 }
 
-/// Head dimensions the CUDA forward supports (`d == dv`).
-pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// Tile widths the forward kernels are compiled for. A head dim (`d == dv`, a multiple of 8)
+/// runs on the smallest width that holds it: the columns past `d` load as zeros and are never
+/// stored ([`padded_head_dim`]).
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Tile widths the backward kernels are compiled for (a warp's dK and dV rows live in registers:
+/// 256 columns would not fit).
+pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The compiled tile width that runs head dim `d` (forward, or backward when `backward`): the
+/// smallest of [`HEAD_DIMS`] (or [`BWD_HEAD_DIMS`]) that is at least `d`; `None` if `d` is 0, not
+/// a multiple of 8 (loads move 16-byte chunks) or wider than the widest.
+pub fn padded_head_dim(d: usize, backward: bool) -> Option<usize> {
+    let widths: &[usize] = if backward { &BWD_HEAD_DIMS } else { &HEAD_DIMS };
+    if d == 0 || !d.is_multiple_of(8) {
+        return None;
+    }
+    widths.iter().copied().find(|&w| w >= d)
+}
 
 impl Variant {
     /// Query rows per block (`Br`).
@@ -85,15 +102,20 @@ impl Variant {
         ]
     }
 
-    /// The variant used for `dtype` and head dim `d`, if supported: the fastest spill-free tile
-    /// shape measured on an H100 (docs/cuda-notes.md): d = 64, 32 rows per warp, 64 keys per
-    /// tile, 4 warps (FlashAttention-2's shape); d = 128, 16 rows per warp, 128 keys, 8 warps
-    /// (32 rows per warp spills at d = 128 and was slower from s = 1024 on).
+    /// The variant used for `dtype` and tile width `d` (one of [`HEAD_DIMS`]), if supported: the
+    /// fastest spill-free tile shape measured on an H100 (docs/cuda-notes.md): d = 64, 32 rows
+    /// per warp, 64 keys per tile, 4 warps (FlashAttention-2's shape); d = 128, 16 rows per warp,
+    /// 128 keys, 8 warps (32 rows per warp spills at d = 128 and was slower from s = 1024 on);
+    /// d = 256, 16 rows per warp, 64 keys, 8 warps (128 keys spill).
     pub fn default_for(dtype: DType, d: usize) -> Option<Variant> {
         if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
             return None;
         }
-        let (mt, bc, warps) = if d >= 128 { (1, 128, 8) } else { (2, 64, 4) };
+        let (mt, bc, warps) = match d {
+            256 => (1, 64, 8),
+            128 => (1, 128, 8),
+            _ => (2, 64, 4),
+        };
         Some(Variant { dtype, d, mt, bc, warps, extras: false })
     }
 
@@ -102,22 +124,30 @@ impl Variant {
         Variant { extras, ..self }
     }
 
+    /// The variant for a problem with dropout, softcap or ALiBi: the default shape with the
+    /// extras compiled in, except at d = 64, where that spills on sm_80 (4 B) and 32 keys per tile
+    /// does not (3-6% slower on plain attention, measured in v3).
+    pub fn extras_for(dtype: DType, d: usize) -> Option<Variant> {
+        let v = Variant::default_for(dtype, d)?.with_extras(true);
+        Some(if d == 64 { Variant { bc: 32, ..v } } else { v })
+    }
+
     /// Every variant that is compiled by `compile_all` and can be benchmarked.
     pub fn all() -> Vec<Variant> {
         let mut v = Vec::new();
         for dtype in [DType::BF16, DType::F16] {
             for d in HEAD_DIMS {
                 // 32 rows per warp (mt 2) at d = 128 holds 128 f32 of O per thread and spills.
-                let shapes: &[(usize, usize, usize)] = if d >= 128 {
-                    &[(1, 64, 8), (1, 128, 8)]
-                } else {
-                    &[(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)]
+                let shapes: &[(usize, usize, usize)] = match d {
+                    256 => &[(1, 64, 8)],
+                    128 => &[(1, 64, 8), (1, 128, 8)],
+                    _ => &[(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)],
                 };
                 for &(mt, bc, warps) in shapes {
                     v.push(Variant { dtype, d, mt, bc, warps, extras: false });
                 }
-                if let Some(x) = Variant::default_for(dtype, d) {
-                    v.push(x.with_extras(true));
+                if let Some(x) = Variant::extras_for(dtype, d) {
+                    v.push(x);
                 }
             }
         }
@@ -130,7 +160,7 @@ impl Variant {
 pub struct BwdVariant {
     /// `bf16` or `f16`.
     pub dtype: DType,
-    /// Head dimension of q, k and v.
+    /// Tile width: the head dimension of q, k and v, or the compiled width that pads it.
     pub d: usize,
     /// Query rows per tile (`Br`), a multiple of 64.
     pub br: usize,
@@ -194,7 +224,7 @@ impl BwdVariant {
     /// The variant used for `dtype` and head dim `d`, if supported: the fastest measured on an
     /// H100 (docs/cuda-notes.md, v3: 64 keys per block, 4 warps, at every length of the grid).
     pub fn default_for(dtype: DType, d: usize) -> Option<BwdVariant> {
-        if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
+        if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
         Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: false })
@@ -209,7 +239,7 @@ impl BwdVariant {
     pub fn all() -> Vec<BwdVariant> {
         let mut v = Vec::new();
         for dtype in [DType::BF16, DType::F16] {
-            for d in HEAD_DIMS {
+            for d in BWD_HEAD_DIMS {
                 // (128, 4) was measured too (docs/cuda-notes.md): slower everywhere and it spills.
                 for (br, warps) in [(64, 4), (64, 8)] {
                     v.push(BwdVariant { dtype, d, br, warps, extras: false });

@@ -6,7 +6,7 @@ use cudarc::driver::{
     SyncOnDrop,
 };
 
-use super::{driver_error, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut, Variant, HEAD_DIMS};
+use super::{driver_error, padded_head_dim, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut, Variant};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::philox::DropoutRng;
@@ -40,6 +40,7 @@ struct FwdParams {
     batch: i32,
     hq: i32,
     group: i32,
+    d: i32,
     sq: i32,
     sk: i32,
     num_m_blocks: i32,
@@ -128,6 +129,7 @@ struct BwdParams {
     hq: i32,
     hk: i32,
     group: i32,
+    d: i32,
     sq: i32,
     sk: i32,
     total_q: i32,
@@ -179,8 +181,10 @@ unsafe impl DeviceRepr for FwdParams {}
 // SAFETY: plain old data with the C layout of the kernel's `BwdParams` (pointers as u64).
 unsafe impl DeviceRepr for BwdParams {}
 
-/// Why the CUDA kernels cannot run this problem, if they cannot (`pass`: "forward" or "backward").
-fn check_supported(g: &Geometry<'_>, dtype: DType, pass: &str) -> Result<()> {
+/// Why the CUDA kernels cannot run this problem, if they cannot; else the compiled tile width
+/// that runs its head dim.
+fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) -> Result<usize> {
+    let pass = if backward { "backward" } else { "forward" };
     let unsupported = |what: &str| Err(Error::Unsupported(format!("the CUDA {pass} does not support {what} yet")));
     if dtype == DType::F32 {
         return unsupported("f32 inputs (use f16 or bf16)");
@@ -191,24 +195,25 @@ fn check_supported(g: &Geometry<'_>, dtype: DType, pass: &str) -> Result<()> {
     if g.block.is_some() {
         return unsupported("block-sparse masks");
     }
-    if !HEAD_DIMS.contains(&g.d) {
-        return Err(Error::HeadDim { tensor: "q", dim: g.d, backend: "cuda (64 or 128)", min: 64, max: 128 });
+    if !g.d.is_multiple_of(8) {
+        return unsupported(&format!("head dim {} (a multiple of 8 is needed)", g.d));
     }
-    Ok(())
+    let max = if backward { 128 } else { 256 };
+    let backend = if backward { "cuda backward (multiples of 8)" } else { "cuda forward (multiples of 8)" };
+    padded_head_dim(g.d, backward).ok_or(Error::HeadDim { tensor: "q", dim: g.d, backend, min: 8, max })
 }
 
 /// The forward variant for this problem, or why the CUDA forward cannot run it.
 pub(crate) fn supported(g: &Geometry<'_>, dtype: DType) -> Result<Variant> {
-    check_supported(g, dtype, "forward")?;
-    Variant::default_for(dtype, g.d)
-        .map(|v| v.with_extras(needs_extras(g)))
-        .ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
+    let width = check_supported(g, dtype, false)?;
+    let variant = if needs_extras(g) { Variant::extras_for(dtype, width) } else { Variant::default_for(dtype, width) };
+    variant.ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
 }
 
 /// The backward variant for this problem, or why the CUDA backward cannot run it.
 pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType) -> Result<BwdVariant> {
-    check_supported(g, dtype, "backward")?;
-    BwdVariant::default_for(dtype, g.d)
+    let width = check_supported(g, dtype, true)?;
+    BwdVariant::default_for(dtype, width)
         .map(|v| v.with_extras(needs_extras(g)))
         .ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
 }
@@ -334,6 +339,7 @@ pub(crate) fn forward<T: CudaElement>(
         batch: i32_of("batch", g.seqs.len())?,
         hq: i32_of("hq", g.hq)?,
         group: i32_of("hq / hk", g.hq / g.hk)?,
+        d: i32_of("d", g.d)?,
         sq: i32_of("sq", g.max_sq)?,
         sk: i32_of("sk", g.max_sk)?,
         num_m_blocks: num_m_blocks as i32,
@@ -395,7 +401,8 @@ fn warp_grid(warps: usize) -> Result<u32> {
 }
 
 /// The backward pass: D, then the main kernel, then dq's conversion, all on the device's
-/// stream. Extra device memory: the f32 dQ accumulator (`total_q · hq · d` floats) and D (one
+/// stream. Extra device memory: the f32 dQ accumulator (`total_q · hq · w` floats, `w` the tile
+/// width: d rounded up to 64 or 128) and D (one
 /// float per query row and head), plus one `i32` per (sequence, head, query tile) in
 /// deterministic mode.
 pub(crate) fn backward<T: CudaElement>(
@@ -413,8 +420,10 @@ pub(crate) fn backward<T: CudaElement>(
     let num_m_blocks = g.max_sq.div_ceil(br).max(1);
     let num_n_blocks = g.max_sk.div_ceil(bc);
     let alloc = |what: &str, e| driver_error(what, e);
-    let mut dq_accum =
-        stream.alloc_zeros::<f32>((g.total_q * g.hq * g.d).max(1)).map_err(|e| alloc("alloc dQ accumulator", e))?;
+    // Rows of the tile width (`variant.d`): the kernels address the accumulator by it.
+    let mut dq_accum = stream
+        .alloc_zeros::<f32>((g.total_q * g.hq * variant.d).max(1))
+        .map_err(|e| alloc("alloc dQ accumulator", e))?;
     let mut dpsum = stream.alloc_zeros::<f32>(g.lse_len().max(1)).map_err(|e| alloc("alloc D", e))?;
     let sems = if deterministic { batch * g.hq * num_m_blocks } else { 1 };
     let mut dq_sem = stream.alloc_zeros::<i32>(sems.max(1)).map_err(|e| alloc("alloc semaphores", e))?;
@@ -483,6 +492,7 @@ pub(crate) fn backward<T: CudaElement>(
         hq: i32_of("hq", g.hq)?,
         hk: i32_of("hk", g.hk)?,
         group: i32_of("hq / hk", g.hq / g.hk)?,
+        d: i32_of("d", g.d)?,
         sq: i32_of("sq", g.max_sq)?,
         sk: i32_of("sk", g.max_sk)?,
         total_q: i32_of("query tokens", g.total_q)?,

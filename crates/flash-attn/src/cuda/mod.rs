@@ -18,7 +18,9 @@
 //! # Ok::<(), flash_attn::Error>(())
 //! ```
 //!
-//! Supported today, forward and backward: `f16`/`bf16`, `d == dv ∈ {64, 128}`, causal
+//! Supported today, forward and backward: `f16`/`bf16`, `d == dv` a multiple of 8 up to 256
+//! (forward) or 128 (backward), run on kernels compiled for 64, 128 and 256 columns with the
+//! columns past `d` zero-filled on load and never stored ([`padded_head_dim`]), causal
 //! (bottom-right and top-left), sliding windows, softcap, ALiBi, GQA/MQA (gradients summed into
 //! the `hk` heads on chip), fixed-length and varlen batches, dropout (the CPU's Philox keep mask,
 //! bit for bit), strided inputs whose strides are multiples of 8 elements; a deterministic
@@ -41,7 +43,7 @@ use crate::spec::{AttentionSpec, Geometry};
 use crate::tensor::{Tensor, TensorMut};
 use crate::{Gradients, Output};
 
-pub use kernels::{BwdVariant, Variant, HEAD_DIMS};
+pub use kernels::{padded_head_dim, BwdVariant, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
 pub use nvrtc::Arch;
 
 /// Element types the CUDA kernels take: [`half::f16`] and [`half::bf16`].
@@ -257,16 +259,18 @@ impl Device {
             true,
         )?;
         g.check_lse_len(lse.len())?;
-        let variant = match variant {
-            Some(v) => v,
-            None => launch::supported(&g, T::DTYPE)?,
-        };
-        if variant.dtype != T::DTYPE || variant.d != g.d {
+        // What the problem needs (and whether the kernels support it at all), then the caller's
+        // variant if it asked for one that fits.
+        let default = launch::supported(&g, T::DTYPE)?;
+        let variant = variant.unwrap_or(default);
+        if variant.dtype != T::DTYPE || variant.d != default.d || (default.extras && !variant.extras) {
             return Err(Error::Unsupported(format!(
-                "variant {} does not fit {} d = {}",
+                "variant {} does not fit {} d = {} (tile width {}{})",
                 variant.name(),
                 T::DTYPE,
-                g.d
+                g.d,
+                default.d,
+                if default.extras { ", extras" } else { "" }
             )));
         }
         let f = self.function(&variant)?;
@@ -349,17 +353,16 @@ impl Device {
             &g.k_shape(g.dv),
             false,
         )?;
-        let variant = match variant {
-            Some(v) => v,
-            None => launch::supported_backward(&g, T::DTYPE)?,
-        };
-        if variant.dtype != T::DTYPE || variant.d != g.d || g.d != g.dv {
+        let default = launch::supported_backward(&g, T::DTYPE)?;
+        let variant = variant.unwrap_or(default);
+        if variant.dtype != T::DTYPE || variant.d != default.d || (default.extras && !variant.extras) {
             return Err(Error::Unsupported(format!(
-                "variant {} does not fit {} d = {}, dv = {}",
+                "variant {} does not fit {} d = {} (tile width {}{})",
                 variant.name(),
                 T::DTYPE,
                 g.d,
-                g.dv
+                default.d,
+                if default.extras { ", extras" } else { "" }
             )));
         }
         let f = self.bwd_functions(&variant)?;

@@ -14,7 +14,9 @@
 // dK += dSᵀ Q need them. dQ = dS K needs a sum over the keys of all warps, so dSᵀ goes through
 // shared memory once and is read back transposed (ldmatrix.trans).
 //
-// Compile-time parameters (NVRTC -D options): FA_D (head dim), FA_BR (queries per tile),
+// Compile-time parameters (NVRTC -D options): FA_D (tile width: the head dim, or the next of 64
+// and 128 above it; columns past the runtime `d` load as zeros and are never stored), FA_BR
+// (queries per tile),
 // FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (1: dropout, softcap and ALiBi),
 // FA_PARTS (query slices of the dP phase; an experiment knob, 1 in every shipped variant).
 
@@ -64,6 +66,7 @@ struct BwdParams {
     long long dv_batch, dv_row, dv_head;
     long long lse_batch, lse_head;  // lse[b, h, i] at b·lse_batch + h·lse_head + q_start + i
     int batch, hq, hk, group;       // group = hq / hk
+    int d;                          // head dim (a multiple of 8, <= FA_D)
     int sq, sk;                     // fixed-length sizes (varlen: the longest)
     int total_q, total_k;           // tokens: b·sq (fixed) or the packed count (varlen)
     int k_covered;                  // varlen: tokens of k in some sequence (cu_seqlens_k[batch])
@@ -98,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_prep(const BwdParams
     const u16* o = p.o + b * p.o_batch + (long long)i * p.o_row + h * p.o_head;
     const u16* d = p.dout + b * p.do_batch + (long long)i * p.do_row + h * p.do_head;
     float sum = 0.f;
-    for (int c = 2 * lane; c < FA_D; c += 64) {
+    for (int c = 2 * lane; c < p.d; c += 64) {
         u32 ow = *reinterpret_cast<const u32*>(o + c), dw = *reinterpret_cast<const u32*>(d + c);
         sum += to_f32<FA_BF16 != 0>(ow & 0xffffu) * to_f32<FA_BF16 != 0>(dw & 0xffffu);
         sum += to_f32<FA_BF16 != 0>(ow >> 16) * to_f32<FA_BF16 != 0>(dw >> 16);
@@ -118,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_convert(const BwdPar
         token_position(p, tok, b, i);
         const float* acc = p.dq_accum + ((long long)tok * p.hq + h) * FA_D;
         u16* dq = p.dq + b * p.dq_batch + (long long)i * p.dq_row + h * p.dq_head;
-        for (int c = 2 * lane; c < FA_D; c += 64) {
+        for (int c = 2 * lane; c < p.d; c += 64) {
             float2 a = *reinterpret_cast<const float2*>(acc + c);
             *reinterpret_cast<u32*>(dq + c) = pack2<FA_BF16 != 0>(a.x * p.scale, a.y * p.scale);
         }
@@ -129,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_convert(const BwdPar
             const int tok = p.k_covered + warp / p.hk, h = warp % p.hk;
             u16* dk = p.dk + (long long)tok * p.dk_row + h * p.dk_head;
             u16* dv = p.dv + (long long)tok * p.dv_row + h * p.dv_head;
-            for (int c = 2 * lane; c < FA_D; c += 64) {
+            for (int c = 2 * lane; c < p.d; c += 64) {
                 *reinterpret_cast<u32*>(dk + c) = 0u;
                 *reinterpret_cast<u32*>(dv + c) = 0u;
             }
@@ -284,11 +287,12 @@ struct FlashBwd {
     // dQ_tile += dS K for every 16-query × 32-column unit this warp takes, added to the f32
     // accumulator in global memory (rows past the sequence end skipped).
     static __device__ __forceinline__ void accumulate_dq(u32 sDS, u32 sK, float* acc, long long acc_row,
-                                                         int rows_valid, int warp, int lane) {
+                                                         int rows_valid, int head_dim, int warp, int lane) {
         const int g = lane >> 2, t = lane & 3;
         constexpr int UNITS = (BR / 16) * (D / 32);
         for (int u = warp; u < UNITS; u += WARPS) {
             const int m0 = 16 * (u / (D / 32)), c0 = 32 * (u % (D / 32));
+            if (c0 >= head_dim) continue;  // padding columns: dQ there is never read
             FragC d[4];
 #pragma unroll
             for (int n = 0; n < 4; ++n)
@@ -316,7 +320,8 @@ struct FlashBwd {
                 if (row < rows_valid) {
                     float* dst = acc + row * acc_row + c0 + 2 * t;
 #pragma unroll
-                    for (int n = 0; n < 4; ++n) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
+                    for (int n = 0; n < 4; ++n)
+                        if (c0 + 8 * n < head_dim) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
                 }
             }
         }
@@ -324,7 +329,7 @@ struct FlashBwd {
 
     // Writes this warp's 16 rows of a dK or dV accumulator (times `mul`) for keys < keys_valid.
     static __device__ __forceinline__ void store_rows(const FragC (&acc)[DT], float mul, u16* g, long long row_stride,
-                                                      int warp_key, int keys_valid, int lane) {
+                                                      int warp_key, int keys_valid, int head_dim, int lane) {
         const int gi = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -333,8 +338,9 @@ struct FlashBwd {
                 u16* dst = g + row * row_stride + 2 * t;
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
-                    *reinterpret_cast<u32*>(dst + 8 * dt) =
-                        pack2<BF16>(acc[dt].x[2 * r] * mul, acc[dt].x[2 * r + 1] * mul);
+                    if (8 * dt < head_dim)
+                        *reinterpret_cast<u32*>(dst + 8 * dt) =
+                            pack2<BF16>(acc[dt].x[2 * r] * mul, acc[dt].x[2 * r + 1] * mul);
             }
         }
     }
@@ -387,17 +393,17 @@ struct FlashBwd {
             const BlockCoords c = block_coords(p);
             const long long tok = c.q_start + row0;
             load_tile_async<BR, D, THREADS>(sQ0 + buf * Q_BYTES, p.q + c.b * p.q_batch + tok * p.q_row + h * p.q_head,
-                                            p.q_row, rows_valid, tid);
+                                            p.q_row, rows_valid, p.d, tid);
             load_tile_async<BR, D, THREADS>(sDO0 + buf * Q_BYTES,
                                             p.dout + c.b * p.do_batch + tok * p.do_row + h * p.do_head, p.do_row,
-                                            rows_valid, tid);
+                                            rows_valid, p.d, tid);
             const long long li = c.b * p.lse_batch + h * p.lse_head + tok;
             load_row_floats(sL0 + buf * ROW_BYTES, p.lse + li, rows_valid, tid);
             load_row_floats(sD0 + buf * ROW_BYTES, p.dpsum + li, rows_valid, tid);
         };
 
-        load_tile_async<BC, D, THREADS>(sK, gK, p.k_row, keys_valid, tid);
-        load_tile_async<BC, D, THREADS>(sV, gV, p.v_row, keys_valid, tid);
+        load_tile_async<BC, D, THREADS>(sK, gK, p.k_row, keys_valid, p.d, tid);
+        load_tile_async<BC, D, THREADS>(sV, gV, p.v_row, keys_valid, p.d, tid);
         if (work > 0) prefetch(0);
         cp_async_commit();
 
@@ -559,12 +565,12 @@ struct FlashBwd {
                     } while (seen != rank);
                 }
                 __syncthreads();
-                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, warp, lane);
+                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
                 __threadfence();
                 __syncthreads();
                 if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
             } else {
-                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, warp, lane);
+                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
             }
             __syncthreads();  // dSᵀ and buffer w free for reuse
         }
@@ -574,8 +580,8 @@ struct FlashBwd {
         const int kv = min(BC, e.sk - e.n_block * BC);
         u16* gdK = p.dk + e.b * p.dk_batch + k0 * p.dk_row + e.hkv * p.dk_head;
         u16* gdV = p.dv + e.b * p.dv_batch + k0 * p.dv_row + e.hkv * p.dv_head;
-        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, kv, lane_id);
-        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, kv, lane_id);
+        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, kv, p.d, lane_id);
+        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, kv, p.d, lane_id);
     }
 };
 

@@ -6,7 +6,9 @@
 // cp.async, K of the next tile loading while this tile's softmax and P·V run, V of this tile
 // loading while Q·Kᵀ runs.
 //
-// Compile-time parameters (NVRTC -D options): FA_D (head dim of q, k and v), FA_MT (16-row
+// Compile-time parameters (NVRTC -D options): FA_D (tile width: the head dim of q, k and v, or
+// the next of 64, 128, 256 above it; the columns past the runtime `d` load as zeros and are
+// never stored, so they change no score and no output), FA_MT (16-row
 // tiles per warp), FA_BC (keys per tile), FA_WARPS, FA_BF16 (1: bf16, 0: fp16), FA_EXTRAS (1: the
 // dropout, softcap and ALiBi paths compiled in).
 
@@ -45,6 +47,7 @@ struct FwdParams {
     long long o_batch, o_row, o_head;
     long long lse_batch, lse_head;  // lse[b, h, i] at b·lse_batch + h·lse_head + q_start + i
     int batch, hq, group;           // group = hq / hk (GQA)
+    int d;                          // head dim of q, k, v (a multiple of 8, <= FA_D)
     int sq, sk;                     // fixed-length sizes (varlen: from cu_seqlens)
     int num_m_blocks;               // ceil(longest sq / BR)
     int causal, window_left, window_right;
@@ -184,7 +187,7 @@ struct FlashFwd {
     // the whole block copies the tile out with 16-byte stores; and the lse of each row.
     static __device__ __forceinline__ void store(const FragC (&o)[MT][DT], const float (&lse)[MT][2], u32 sO,
                                                  u16* gO, long long o_row, float* gL, int rows_valid,
-                                                 int warp_row, int lane, int tid) {
+                                                 int cols_valid, int warp_row, int lane, int tid) {
         int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -205,7 +208,7 @@ struct FlashFwd {
         for (int it = 0; it < CHUNKS / THREADS; ++it) {
             int c = it * THREADS + tid;
             int row = c / (D / 8), ch = c % (D / 8);
-            if (row < rows_valid) {
+            if (row < rows_valid && 8 * ch < cols_valid) {
                 uint4 w;
                 u32 addr = sO + swizzled_offset<D>(row, ch);
                 asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
@@ -270,9 +273,9 @@ struct FlashFwd {
         const int n_begin = key_lo / BC, n_end = (key_hi + BC - 1) / BC;
 
         if (n_begin < n_end) {
-            load_tile_async<BR, D, THREADS>(sQ, gQ, p.q_row, rows_valid, tid);
+            load_tile_async<BR, D, THREADS>(sQ, gQ, p.q_row, rows_valid, p.d, tid);
             int n = n_end - 1;
-            load_tile_async<BC, D, THREADS>(sK, gK + (long long)n * BC * p.k_row, p.k_row, sk - n * BC, tid);
+            load_tile_async<BC, D, THREADS>(sK, gK + (long long)n * BC * p.k_row, p.k_row, sk - n * BC, p.d, tid);
             cp_async_commit();
             // Key tiles last to first: the Partial tiles of a causal mask come first, while the
             // row max is still forming (as FlashAttention-2).
@@ -280,7 +283,7 @@ struct FlashFwd {
                 const int col0 = n * BC;
                 cp_async_wait<0>();
                 __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
-                load_tile_async<BC, D, THREADS>(sV, gV + (long long)col0 * p.v_row, p.v_row, sk - col0, tid);
+                load_tile_async<BC, D, THREADS>(sV, gV + (long long)col0 * p.v_row, p.v_row, sk - col0, p.d, tid);
                 cp_async_commit();
 
                 FragC s[MT][NT];
@@ -296,7 +299,7 @@ struct FlashFwd {
                 __syncthreads();  // every warp is done reading K[n]
                 if (n > n_begin) {
                     int c = col0 - BC;
-                    load_tile_async<BC, D, THREADS>(sK, gK + (long long)c * p.k_row, p.k_row, sk - c, tid);
+                    load_tile_async<BC, D, THREADS>(sK, gK + (long long)c * p.k_row, p.k_row, sk - c, p.d, tid);
                 }
                 cp_async_commit();
 
@@ -311,7 +314,7 @@ struct FlashFwd {
         float lse[MT][2];
         softmax.finish(o, lse);
         __syncthreads();  // the Q tile's memory is reused for the output
-        store(o, lse, sQ, gO, p.o_row, gL, rows_valid, warp_row, lane, tid);
+        store(o, lse, sQ, gO, p.o_row, gL, rows_valid, p.d, warp_row, lane, tid);
     }
 };
 

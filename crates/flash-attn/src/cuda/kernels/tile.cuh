@@ -54,12 +54,13 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Copies rows [0, ROWS) of a tile whose row r starts at g + r * row_stride (elements) into the
-// swizzled tile at `tile`; rows >= rows_valid are zero-filled. All THREADS threads take part.
+// swizzled tile at `tile`; rows >= rows_valid and the columns >= cols_valid (a multiple of 8: the
+// columns past a head dim the tile width pads) are zero-filled. All THREADS threads take part.
 // A thread copies one 16-byte chunk column, every ROWS_PER_PASS-th row: one pointer stepping by
 // a fixed stride, so the per-thread addresses cost two registers, not one pair per chunk.
 template <int ROWS, int D, int THREADS>
 __device__ __forceinline__ void load_tile_async(u32 tile, const u16* g, long long row_stride, int rows_valid,
-                                                int tid) {
+                                                int cols_valid, int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
     static_assert(THREADS % CHUNKS_PER_ROW == 0, "a pass must cover whole rows");
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
@@ -69,10 +70,11 @@ __device__ __forceinline__ void load_tile_async(u32 tile, const u16* g, long lon
     const u16* src = g + r0 * row_stride + ch * 8;
     const long long step = ROWS_PER_PASS * row_stride;
     const u32 dst = tile + swizzled_offset<D>(r0, ch);
+    const bool col_ok = 8 * ch < cols_valid;
 #pragma unroll
     for (int it = 0; it < ROWS / ROWS_PER_PASS; ++it) {
         const int r = r0 + it * ROWS_PER_PASS;
-        const bool valid = r < rows_valid;
+        const bool valid = col_ok && r < rows_valid;
         cp_async_16(dst + (u32)(it * ROWS_PER_PASS * D * 2), valid ? src : g, valid);
         src += step;
     }
