@@ -194,10 +194,18 @@ pub(super) fn score_tile(
             }
         }
         if class == TileClass::Partial {
+            // The row's span is an interval: two fills outside it; a block mask, if any, key by
+            // key inside it.
             let span = vis.span(i);
-            for (x, j) in row.iter_mut().zip(cols.clone()) {
-                if !span.contains(&j) || !vis.block_visible(i, j) {
-                    *x = f32::NEG_INFINITY;
+            let lo = span.start.clamp(cols.start, cols.end) - cols.start;
+            let hi = (span.end.clamp(cols.start, cols.end) - cols.start).max(lo);
+            row[..lo].fill(f32::NEG_INFINITY);
+            row[hi..].fill(f32::NEG_INFINITY);
+            if vis.has_block_mask() {
+                for (x, j) in row[lo..hi].iter_mut().zip(cols.start + lo..) {
+                    if !vis.block_visible(i, j) {
+                        *x = f32::NEG_INFINITY;
+                    }
                 }
             }
         }
