@@ -3,8 +3,8 @@
 //! `--forward-only`, the backward pass, about a third of the cases with dropout.
 //!
 //! On `--device cuda` the cases are restricted to what the CUDA backend supports (f16/bf16,
-//! `d == dv` a multiple of 8 up to 128, or 256 with `--forward-only`; no block mask, strides in
-//! multiples of 8 elements; softcap, ALiBi and dropout included) and run on GPU 0, forward and
+//! `d == dv` a multiple of 8 up to 128, or 256 with `--forward-only`; strides in multiples of 8
+//! elements; block masks, softcap, ALiBi and dropout included) and run on GPU 0, forward and
 //! backward; the oracle runs on the host.
 
 use std::fmt;
@@ -54,7 +54,7 @@ pub fn main(args: &CheckArgs) -> Result<ExitCode> {
     if let Some(name) = gpu_name {
         println!(
             "cuda: {name}; cases restricted to what the CUDA backend supports \
-             (f16/bf16, d = dv a multiple of 8 up to {}, no block mask)",
+             (f16/bf16, d = dv a multiple of 8 up to {})",
             if args.forward_only { 256 } else { 128 }
         );
     }
@@ -114,7 +114,7 @@ fn random_dropout(case: &Case) -> Option<Dropout> {
 
 /// A random case inside what the CUDA kernels support: f16 or bf16, `d == dv` a multiple of 8 (half
 /// the cases 64 or 128, the compiled tile widths; the others any multiple of 8 up to 128, or 256
-/// when only the forward runs, padded by the kernels), no block mask, row strides in multiples of
+/// when only the forward runs, padded by the kernels), row strides in multiples of
 /// 8 elements; about a third of the cases get sequences up to 400 long (several query and key
 /// tiles, ragged tails). The other options (GQA, varlen with empty sequences, both causal
 /// alignments, windows, softcap, ALiBi, scale, strided layouts) are drawn as for the CPU.
@@ -124,7 +124,6 @@ fn random_cuda_case(rng: &mut Rng, forward_only: bool) -> Case {
     let widest = if forward_only { 256 } else { 128 };
     c.d = if rng.chance(0.5) { rng.pick(&[64, 128]) } else { 8 * rng.range(1, widest / 8) };
     c.dv = c.d;
-    c.block = None;
     if rng.chance(0.3) {
         for s in c.seqlens.iter_mut() {
             *s = (rng.range(1, 400), rng.range(1, 400));
@@ -175,7 +174,6 @@ mod tests {
             assert!(matches!(c.dtype, DType::BF16 | DType::F16), "{c}");
             let widest = if forward_only { 256 } else { 128 };
             assert!(c.d.is_multiple_of(8) && (8..=widest).contains(&c.d) && c.dv == c.d, "{c}");
-            assert!(c.block.is_none(), "{c}");
             if let Storage::Strided { pad } = c.storage {
                 assert_eq!(pad % 8, 0, "{c}");
             }

@@ -14,7 +14,7 @@
 //! fwd_ms`) plus `tflops` and `variant`; times are medians of CUDA-event-timed runs after a
 //! warm-up, on inputs drawn from a normal distribution.
 
-use flash_attn::check::{compare_gradients, report, Case, CaseData, Rng, Storage};
+use flash_attn::check::{compare_gradients, report, BlockCase, Case, CaseData, Rng, Storage};
 use flash_attn::cuda::{self, Arch, BwdVariant, DeviceTensor, DeviceTensorMut, Variant};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Result};
 use half::{bf16, f16};
@@ -70,7 +70,6 @@ fn random_case(rng: &mut Rng) -> Case {
     c.dtype = rng.pick(&[DType::BF16, DType::F16]);
     c.d = rng.pick(&[64, 128]);
     c.dv = c.d;
-    c.block = None;
     if rng.chance(0.3) {
         // Longer sequences: several key tiles, several query tiles, odd tails.
         let n = c.seqlens.len();
@@ -157,12 +156,18 @@ fn sanitize() -> Result<()> {
         c.window = None;
         let rep = run_case::<bf16>(&c)?;
         println!("sanitize case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
+        // Softcap, ALiBi and a block mask whose blocks do not divide the tiles in one run; the
+        // deterministic run with a tile-aligned mask (hidden tiles still take their turn).
         for (dropout, deterministic, mods) in
             [(None, false, false), (Some((0.3f32, 99u64, 5u32)), true, false), (Some((0.2, 7, 1)), false, true)]
         {
             let mut c = c.clone();
             if mods {
                 (c.softcap, c.alibi) = (Some(12.0), Some(true));
+                c.block = Some(BlockCase { block_q: 3, block_k: 40, per_head: true, density_pct: 50 });
+            }
+            if deterministic {
+                c.block = Some(BlockCase { block_q: 64, block_k: 64, per_head: false, density_pct: 50 });
             }
             let data = c.data::<bf16>();
             let mut spec = c.spec(&data);
@@ -180,7 +185,8 @@ fn sanitize() -> Result<()> {
             let grads = cuda::backward_host(&spec, &q, &k, &v, &out, &fwd.lse, &dout)?;
             let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype)?;
             println!(
-                "sanitize case {i} backward (dropout {dropout:?}, deterministic {deterministic}, softcap+ALiBi {mods}): {}",
+                "sanitize case {i} backward (dropout {dropout:?}, deterministic {deterministic}, softcap+ALiBi+block \
+                 mask {mods}): {}",
                 if rep.passed() { "pass".to_string() } else { format!("FAIL {rep}") }
             );
         }

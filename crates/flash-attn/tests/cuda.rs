@@ -2,7 +2,7 @@
 //! checking that the absence is reported as an error, not a panic.
 #![cfg(feature = "cuda")]
 
-use flash_attn::check::{compare_gradients, report, Case, Rng, Storage};
+use flash_attn::check::{compare_gradients, report, BlockCase, Case, Rng, Storage};
 use flash_attn::cuda::{self, Arch};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Error, Tensor};
 use half::bf16;
@@ -20,12 +20,6 @@ fn missing_driver_or_nvrtc_is_an_error_not_a_panic() {
 
 #[test]
 fn unsupported_options_are_typed_errors() {
-    let x = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 64];
-    let t = Tensor::new(&x, &[2, 8, 2, 64]);
-    let mask = [1u8, 0, 1, 1];
-    let spec = AttentionSpec::new().block_mask(Tensor::new(&mask, &[2, 2]), 4, 4);
-    let r = cuda::forward_host(&spec, &t, &t, &t);
-    assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
     // A head dim that is no multiple of 8 (loads move 16-byte chunks).
     let y = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 100];
     let t = Tensor::new(&y, &[2, 8, 2, 100]);
@@ -110,7 +104,6 @@ fn forward_meets_the_numerics_contract_on_random_cases() {
         // Half the cases at a compiled tile width, half any multiple of 8 the forward takes.
         c.d = if rng.chance(0.5) { rng.pick(&[64, 128]) } else { 8 * rng.range(1, 32) };
         c.dv = c.d;
-        c.block = None;
         if let Storage::Strided { .. } = c.storage {
             c.storage = Storage::Strided { pad: 8 };
         }
@@ -159,7 +152,6 @@ fn random_cuda_case(rng: &mut Rng) -> Case {
     // Half the cases at a compiled tile width, half any multiple of 8 the backward takes.
     c.d = if rng.chance(0.5) { rng.pick(&[64, 128]) } else { 8 * rng.range(1, 16) };
     c.dv = c.d;
-    c.block = None;
     if let Storage::Strided { .. } = c.storage {
         c.storage = Storage::Strided { pad: 8 };
     }
@@ -191,6 +183,41 @@ fn backward_case<T: flash_attn::cuda::CudaElement>(c: &Case, dropout: Option<(f3
     let grads = cuda::backward_host(&spec, &q, &k, &v, &out, &fwd.lse, &dout).expect("cuda backward");
     let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype).expect("oracle");
     assert!(rep.passed(), "{c} dropout {dropout:?}: {rep}");
+}
+
+/// Block-sparse masks, forward and backward: block sizes smaller than, equal to, not dividing and
+/// larger than the kernels' tiles (so tiles are skipped, Full, and Partial through the mask), a
+/// shared `[qb, kb]` or a per-head mask, sparse and dense.
+#[test]
+fn block_sparse_masks_meet_the_contract() {
+    if cuda::default_device().is_err() {
+        return;
+    }
+    let mut rng = Rng::new(31);
+    for (block_q, block_k) in [(1, 1), (3, 5), (16, 16), (64, 64), (128, 128), (64, 128), (128, 64), (200, 70)] {
+        for density_pct in [30, 70] {
+            let mut c = random_cuda_case(&mut rng);
+            c.dtype = DType::BF16;
+            c.block = Some(BlockCase { block_q, block_k, per_head: rng.chance(0.5), density_pct });
+            for s in c.seqlens.iter_mut() {
+                *s = (rng.range(1, 400), rng.range(1, 400));
+            }
+            if !c.varlen {
+                if let Some(&first) = c.seqlens.first() {
+                    c.seqlens.iter_mut().for_each(|s| *s = first);
+                }
+            }
+            let data = c.data::<bf16>();
+            let spec = c.spec(&data);
+            let [q, k, v] = data.views();
+            let ours = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
+            let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
+            let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
+            let rep = report(&ours.out, &ours.lse, &oracle, &naive, DType::BF16);
+            assert!(rep.passed(), "{c}: {rep}");
+            backward_case::<bf16>(&c, None);
+        }
+    }
 }
 
 #[test]
@@ -263,7 +290,16 @@ fn deterministic_backward_is_bitwise_reproducible() {
     let (b, hq, hk, s, d) = (2, 4, 2, 700, 64);
     let mut r = |n: usize| (0..n).map(|_| bf16::from_f64(rng.normal())).collect::<Vec<_>>();
     let (q, k, v, dout) = (r(b * s * hq * d), r(b * s * hk * d), r(b * s * hk * d), r(b * s * hq * d));
-    for spec in [AttentionSpec::new().deterministic(), AttentionSpec::new().causal().deterministic()] {
+    // A block mask whose blocks (64 x 128) align with the backward's tiles: whole key tiles are
+    // hidden from some query tiles, and in deterministic mode they still take their turn.
+    let (qb, kb) = (s.div_ceil(64), s.div_ceil(128));
+    let mask: Vec<u8> = (0..qb * kb).map(|_| u8::from(rng.chance(0.5))).collect();
+    let block = || Tensor::new(&mask, &[qb, kb]);
+    for spec in [
+        AttentionSpec::new().deterministic(),
+        AttentionSpec::new().causal().deterministic(),
+        AttentionSpec::new().block_mask(block(), 64, 128).deterministic(),
+    ] {
         let (qt, kt, vt) =
             (Tensor::new(&q, &[b, s, hq, d]), Tensor::new(&k, &[b, s, hk, d]), Tensor::new(&v, &[b, s, hk, d]));
         let fwd = cuda::forward_host(&spec, &qt, &kt, &vt).expect("cuda forward");

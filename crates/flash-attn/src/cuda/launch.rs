@@ -51,6 +51,18 @@ struct FwdParams {
     longest_first: i32,
     dropout: DropoutParams,
     score_mod: ScoreMod,
+    block: BlockMaskParams,
+}
+
+/// `BlockMask` in `kernels/mask.cuh`: the block-sparse mask's bytes on the device, with the
+/// strides of `[b, h, qb, kb]` in elements (0 for broadcast dimensions) and the block size.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct BlockMaskParams {
+    data: u64,
+    strides: [i64; 4],
+    block_q: i32,
+    block_k: i32,
 }
 
 /// `ScoreMod` in `kernels/mask.cuh`: softcap and ALiBi.
@@ -64,14 +76,14 @@ struct ScoreMod {
 
 /// Whether a problem needs the variants with the extras compiled in.
 pub(crate) fn needs_extras(g: &Geometry<'_>) -> bool {
-    g.dropout.is_some_and(|d| d.p > 0.0) || g.softcap.is_some() || g.alibi.is_some()
+    g.dropout.is_some_and(|d| d.p > 0.0) || g.softcap.is_some() || g.alibi.is_some() || g.block.is_some()
 }
 
 /// A variant without the extras compiled in cannot run a problem that needs them.
 fn check_extras(g: &Geometry<'_>, extras: bool, name: &str) -> Result<()> {
     if needs_extras(g) && !extras {
         return Err(Error::Unsupported(format!(
-            "variant {name} has no dropout, softcap or ALiBi compiled in; use its `_x` twin"
+            "variant {name} has no dropout, softcap, ALiBi or block mask compiled in; use its `_x` twin"
         )));
     }
     Ok(())
@@ -87,6 +99,28 @@ fn optional_ptr<'a, T>(buf: Option<&'a CudaSlice<T>>, stream: &'a CudaStream) ->
         }
         None => (0, None),
     }
+}
+
+/// The block-sparse mask's bytes on the device, as the geometry validated them (`None` without).
+fn upload_block_mask(dev: &Device, g: &Geometry<'_>) -> Result<Option<CudaSlice<u8>>> {
+    match &g.block {
+        None => Ok(None),
+        Some(b) => Ok(Some(dev.stream().clone_htod(b.data).map_err(|e| driver_error("upload block mask", e))?)),
+    }
+}
+
+/// The kernel's view of the block mask at device address `ptr` (0: none).
+fn block_params(g: &Geometry<'_>, ptr: u64) -> Result<BlockMaskParams> {
+    let Some(b) = &g.block else {
+        return Ok(BlockMaskParams::default());
+    };
+    let s = |x: usize| i64::try_from(x).map_err(|_| Error::Unsupported(format!("block mask stride {x}")));
+    Ok(BlockMaskParams {
+        data: ptr,
+        strides: [s(b.strides[0])?, s(b.strides[1])?, s(b.strides[2])?, s(b.strides[3])?],
+        block_q: i32_of("block_q", b.block_q)?,
+        block_k: i32_of("block_k", b.block_k)?,
+    })
 }
 
 /// ALiBi slopes as the kernels read them, `[batch][hq]`, on the device (`None` without ALiBi).
@@ -145,6 +179,7 @@ struct BwdParams {
     deterministic: i32,
     dropout: DropoutParams,
     score_mod: ScoreMod,
+    block: BlockMaskParams,
 }
 
 /// `DropoutParams` in `kernels/philox.cuh`.
@@ -191,9 +226,6 @@ fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) -> Result<usi
     }
     if g.d != g.dv {
         return unsupported(&format!("d = {} with dv = {}", g.d, g.dv));
-    }
-    if g.block.is_some() {
-        return unsupported("block-sparse masks");
     }
     if !g.d.is_multiple_of(8) {
         return unsupported(&format!("head dim {} (a multiple of 8 is needed)", g.d));
@@ -297,6 +329,9 @@ pub(crate) fn forward<T: CudaElement>(
     let alibi = upload_alibi(dev, g)?;
     let (alibi_ptr, _alibi_sync) = optional_ptr(alibi.as_ref(), stream);
     let score_mod = ScoreMod { alibi: alibi_ptr, softcap: g.softcap.unwrap_or(0.0), scale: g.scale };
+    let block_mask = upload_block_mask(dev, g)?;
+    let (block_ptr, _block_sync) = optional_ptr(block_mask.as_ref(), stream);
+    let block = block_params(g, block_ptr)?;
 
     let elem = std::mem::size_of::<T>();
     let (qp, _q_sync) = q.data.device_ptr(stream);
@@ -354,6 +389,7 @@ pub(crate) fn forward<T: CudaElement>(
         longest_first: i32::from(g.causal != Causal::None),
         dropout: DropoutParams::of(g),
         score_mod,
+        block,
     };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
@@ -432,6 +468,9 @@ pub(crate) fn backward<T: CudaElement>(
     let alibi = upload_alibi(dev, g)?;
     let (alibi_ptr, _alibi_sync) = optional_ptr(alibi.as_ref(), stream);
     let score_mod = ScoreMod { alibi: alibi_ptr, softcap: g.softcap.unwrap_or(0.0), scale: g.scale };
+    let block_mask = upload_block_mask(dev, g)?;
+    let (block_ptr, _block_sync) = optional_ptr(block_mask.as_ref(), stream);
+    let block = block_params(g, block_ptr)?;
 
     let (qp, _q_sync) = x.q.data.device_ptr(stream);
     let (kp, _k_sync) = x.k.data.device_ptr(stream);
@@ -512,6 +551,7 @@ pub(crate) fn backward<T: CudaElement>(
         deterministic: i32::from(deterministic),
         dropout: DropoutParams::of(g),
         score_mod,
+        block,
     };
     i32_of("query rows x heads", g.total_q * g.hq)?;
     i32_of("key rows x heads", g.total_k * g.hk)?;

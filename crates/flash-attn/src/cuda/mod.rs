@@ -26,7 +26,9 @@
 //! bit for bit), strided inputs whose strides are multiples of 8 elements; a deterministic
 //! backward ([`AttentionSpec::deterministic`]). Dropout, softcap and ALiBi run on kernel variants
 //! with those paths compiled in (`..._x`), so plain attention keeps its registers. Block-sparse
-//! masks return [`Error::Unsupported`].
+//! masks run on those variants too: key tiles whose mask blocks are all off are skipped (in the
+//! backward, query tiles; not in deterministic mode), tiles with every block on and inside the
+//! interval rules run without a predicate, the rest check the mask per element.
 
 mod kernels;
 mod launch;

@@ -77,6 +77,7 @@ struct BwdParams {
     int deterministic;
     DropoutParams dropout;
     ScoreMod mod;
+    BlockMask block;
 };
 
 // Position of flattened query token `tok` (b·sq + i for fixed length, the packed index for
@@ -386,10 +387,10 @@ struct FlashBwd {
         const int per_head = max(m_hi - m_lo, 0);
         const int work = per_head * p.group;
 
-        // Starts the copies of work item w (query head, query tile) into buffer w % 2.
-        auto prefetch = [&](int w) {
+        // Starts the copies of work item w (query head, query tile) into buffer `buf`.
+        auto prefetch = [&](int w, int buf) {
             const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
-            const int rows_valid = min(BR, sq - row0), buf = w & 1;
+            const int rows_valid = min(BR, sq - row0);
             const BlockCoords c = block_coords(p);
             const long long tok = c.q_start + row0;
             load_tile_async<BR, D, THREADS>(sQ0 + buf * Q_BYTES, p.q + c.b * p.q_batch + tok * p.q_row + h * p.q_head,
@@ -402,19 +403,43 @@ struct FlashBwd {
             load_row_floats(sD0 + buf * ROW_BYTES, p.dpsum + li, rows_valid, tid);
         };
 
+        // With a block-sparse mask (extras variants), items whose tile the mask hides entirely are
+        // skipped — except in deterministic mode, where every key tile takes its turn on a query
+        // tile's semaphore — and only items with every mask block on may be Full.
+        // `next_item(w, all_on)`: the first item at or after w to run; every thread calls it.
+        const bool blocky = FA_EXTRAS != 0 && p.block.active();
+        auto next_item = [&](int w, bool& all_on) {
+            all_on = true;
+            if (blocky) {
+                for (; w < work; ++w) {
+                    const int h = hkv * p.group + w / per_head, row0 = (m_lo + w % per_head) * BR;
+                    bool any;
+                    p.block.classify(p.block.plane(b, h), row0, min(sq, row0 + BR), col0, col0 + keys_valid, tid,
+                                     THREADS, any, all_on);
+                    if (any || p.deterministic) break;
+                }
+            }
+            return w;
+        };
+
+        bool all_on;
+        int w = next_item(0, all_on), buf = 0;
         load_tile_async<BC, D, THREADS>(sK, gK, p.k_row, keys_valid, p.d, tid);
         load_tile_async<BC, D, THREADS>(sV, gV, p.v_row, keys_valid, p.d, tid);
-        if (work > 0) prefetch(0);
+        if (w < work) prefetch(w, buf);
         cp_async_commit();
 
-        for (int w = 0; w < work; ++w) {
-            if (w + 1 < work) prefetch(w + 1);
+        while (w < work) {
+            bool next_all_on;
+            const int next = next_item(w + 1, next_all_on);
+            if (next < work) prefetch(next, buf ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
             __syncthreads();  // item w (and K, V) landed
 
             const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
-            const int rows_valid = min(BR, sq - row0), buf = w & 1;
+            const int rows_valid = min(BR, sq - row0);
+            const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
             const float slope = p.mod.slope(b, h, p.hq);
             // The lane id, opaque to the compiler for this iteration: otherwise ptxas hoists every
             // swizzled fragment address out of the loop into its own register and spills.
@@ -424,7 +449,7 @@ struct FlashBwd {
             const u32 sL = sL0 + buf * ROW_BYTES, sD = sD0 + buf * ROW_BYTES;
             // Every pair visible and every row a real query: no predicate. (Rows past the end hold
             // zeros; masking them too keeps a non-finite V out of dK through them.)
-            const bool full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
+            const bool full = all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
 
             // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
             FragC s[NT];
@@ -451,7 +476,9 @@ struct FlashBwd {
                             e = fmaf(s[nt].x[2 * r + c], p.scale_log2, -l);
                         }
                         float x = fast_exp2(e);
-                        if (!full && (key < lo || key >= hi)) x = 0.f;
+                        if (!full && (key < lo || key >= hi ||
+                                      (FA_EXTRAS != 0 && plane && !p.block.visible(plane, row0 + col, key))))
+                            x = 0.f;
                         s[nt].x[2 * r + c] = x;
                     }
                 }
@@ -572,7 +599,10 @@ struct FlashBwd {
             } else {
                 accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
             }
-            __syncthreads();  // dSᵀ and buffer w free for reuse
+            __syncthreads();  // dSᵀ and buffer `buf` free for reuse
+            w = next;
+            all_on = next_all_on;
+            buf ^= 1;
         }
 
         const BlockCoords e = block_coords(p);

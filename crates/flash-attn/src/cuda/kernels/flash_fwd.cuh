@@ -55,6 +55,7 @@ struct FwdParams {
     int longest_first;              // order blocks longest key range first (causal)
     DropoutParams dropout;
     ScoreMod mod;
+    BlockMask block;
 };
 
 template <int D, int MT, int BC, int WARPS, bool BF16>
@@ -121,22 +122,28 @@ struct FlashFwd {
             }
     }
 
-    // Hides invisible (query, key) pairs of a Partial tile: s = -inf.
-    static __device__ __forceinline__ void apply_mask(FragC (&s)[MT][NT], const Visibility& vis, int row0, int col0,
-                                                      int lane) {
+    // Hides invisible (query, key) pairs of a Partial tile: s = -inf. `plane`: the block mask's
+    // plane of this (sequence, head), or null; rows past the sequence end are hidden with it (their
+    // mask row does not exist, and their output is never stored).
+    static __device__ __forceinline__ void apply_mask(FragC (&s)[MT][NT], const Visibility& vis,
+                                                      const unsigned char* plane, const BlockMask& bm, int row0,
+                                                      int col0, int lane) {
         int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
+                const int i = row0 + 16 * mt + g + 8 * r;
                 int lo, hi;
-                vis.span(row0 + 16 * mt + g + 8 * r, lo, hi);
+                vis.span(i, lo, hi);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         int j = col0 + 8 * nt + 2 * t + c;
-                        if (j < lo || j >= hi) s[mt][nt].x[2 * r + c] = -FA_INF;
+                        bool hidden = j < lo || j >= hi;
+                        if (FA_EXTRAS != 0 && plane && !hidden) hidden = i >= vis.sq || !bm.visible(plane, i, j);
+                        if (hidden) s[mt][nt].x[2 * r + c] = -FA_INF;
                     }
             }
     }
@@ -272,17 +279,36 @@ struct FlashFwd {
         vis.key_range(row0, row0 + rows_valid, key_lo, key_hi);
         const int n_begin = key_lo / BC, n_end = (key_hi + BC - 1) / BC;
 
-        if (n_begin < n_end) {
+        // With a block-sparse mask (extras variants), key tiles whose mask blocks are all off are
+        // skipped and only tiles with every block on may be Full. `next_tile(n, all_on)`: the first
+        // tile at or below n that the mask leaves visible (n_begin - 1: none); every thread calls it.
+        const bool blocky = FA_EXTRAS != 0 && p.block.active();
+        const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
+        auto next_tile = [&](int n, bool& all_on) {
+            all_on = true;
+            if (blocky) {
+                for (; n >= n_begin; --n) {
+                    bool any;
+                    p.block.classify(plane, row0, row0 + rows_valid, n * BC, min(sk, (n + 1) * BC), tid, THREADS,
+                                     any, all_on);
+                    if (any) break;
+                }
+            }
+            return n;
+        };
+
+        bool all_on;
+        int n = next_tile(n_end - 1, all_on);
+        if (n >= n_begin) {
             load_tile_async<BR, D, THREADS>(sQ, gQ, p.q_row, rows_valid, p.d, tid);
-            int n = n_end - 1;
             load_tile_async<BC, D, THREADS>(sK, gK + (long long)n * BC * p.k_row, p.k_row, sk - n * BC, p.d, tid);
             cp_async_commit();
             // Key tiles last to first: the Partial tiles of a causal mask come first, while the
             // row max is still forming (as FlashAttention-2).
-            for (; n >= n_begin; --n) {
+            while (n >= n_begin) {
                 const int col0 = n * BC;
                 cp_async_wait<0>();
-                __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
+                __syncthreads();  // K[n] landed; every warp is done reading V of the tile before
                 load_tile_async<BC, D, THREADS>(sV, gV + (long long)col0 * p.v_row, p.v_row, sk - col0, p.d, tid);
                 cp_async_commit();
 
@@ -293,12 +319,14 @@ struct FlashFwd {
                 } else {
                     scores(s, sQ, sK, warp_row, lane, p.scale_log2);
                 }
-                if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
-                    apply_mask(s, vis, row0 + warp_row, col0, lane);
+                if (!all_on || !vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                    apply_mask(s, vis, plane, p.block, row0 + warp_row, col0, lane);
 
                 __syncthreads();  // every warp is done reading K[n]
-                if (n > n_begin) {
-                    int c = col0 - BC;
+                bool next_all_on;
+                const int next = next_tile(n - 1, next_all_on);
+                if (next >= n_begin) {
+                    int c = next * BC;
                     load_tile_async<BC, D, THREADS>(sK, gK + (long long)c * p.k_row, p.k_row, sk - c, p.d, tid);
                 }
                 cp_async_commit();
@@ -308,6 +336,8 @@ struct FlashFwd {
                 cp_async_wait<1>();
                 __syncthreads();  // V[n] landed
                 accumulate_pv(o, s, sV, lane);
+                n = next;
+                all_on = next_all_on;
             }
         }
 

@@ -41,6 +41,41 @@ struct Visibility {
     }
 };
 
+// A block-sparse mask (DESIGN §2 rule 4) on the device: key j is visible to query i of (b, h) iff
+// data[b·s_b + h·s_h + (i / bq)·s_i + (j / bk)·s_j] != 0. Field for field `BlockMaskParams` in
+// src/cuda/launch.rs; compiled into the `_x` variants only.
+struct BlockMask {
+    const unsigned char* data;  // null: no block mask
+    long long s_b, s_h, s_i, s_j;  // element strides of [b, h, qb, kb] (0 where broadcast)
+    int bq, bk;                    // block size
+
+    __device__ __forceinline__ bool active() const { return data != nullptr; }
+
+    // The mask plane of sequence b, query head h.
+    __device__ __forceinline__ const unsigned char* plane(int b, int h) const { return data + b * s_b + h * s_h; }
+
+    __device__ __forceinline__ bool visible(const unsigned char* pl, int i, int j) const {
+        return pl[(i / bq) * s_i + (j / bk) * s_j] != 0;
+    }
+
+    // Whether any / every mask block under rows [r0, r1) x cols [c0, c1) (both non-empty) is on:
+    // the tile is Skip when none is, and may be Full only when all are. Every thread of the block
+    // calls it (two block-wide reductions), each reading a share of the mask blocks.
+    __device__ __forceinline__ void classify(const unsigned char* pl, int r0, int r1, int c0, int c1, int tid,
+                                             int threads, bool& any_on, bool& all_on) const {
+        const int bi0 = r0 / bq, nbi = (r1 - 1) / bq - bi0 + 1;
+        const int bj0 = c0 / bk, nbj = (c1 - 1) / bk - bj0 + 1;
+        bool any = false, all = true;
+        for (int x = tid; x < nbi * nbj; x += threads) {
+            const bool on = pl[(bi0 + x / nbj) * s_i + (bj0 + x % nbj) * s_j] != 0;
+            any |= on;
+            all &= on;
+        }
+        any_on = __syncthreads_or(any) != 0;
+        all_on = __syncthreads_and(all) != 0;
+    }
+};
+
 // The score modifiers of DESIGN §2 steps 2-3 on a score x = scale · q·k (natural units):
 // softcap c > 0: x = c · tanh(x / c); ALiBi: x -= slope · |i + off - j|. Field for field
 // `ScoreMod` in src/cuda/launch.rs.
