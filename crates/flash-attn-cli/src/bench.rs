@@ -49,7 +49,7 @@ const MEMORY_SEQLENS: [usize; 7] = [1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14,
 /// Arguments of `flash-attn bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Backend to time (`cuda`: forward only, f16 or bf16).
+    /// Backend to time (`cuda`: f16 or bf16, forward and with `--backward` forward + backward).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
 
