@@ -14,6 +14,11 @@
 //! device has no memory pools); with `--backward`, `bwd_peak_extra_bytes` is that of one forward
 //! plus one backward (the forward allocates nothing of its own).
 //!
+//! `--block-size BQ,BK` (with `--shape`) adds a block-sparse mask `[qb, kb]` with `--density`
+//! percent of its blocks on, drawn from a fixed seed; FLOP/s then count the visible pairs only
+//! (Algorithm 5's work), and the JSON line gains `block_q`, `block_k`, `density_pct` and
+//! `visible_fraction`.
+//!
 //! `--plot FILE.svg` (implies `--memory`) draws the memory table's measurements as a figure (runtime and peak
 //! extra memory vs N, see [`crate::plot`]); nothing is measured twice.
 
@@ -65,6 +70,16 @@ pub struct BenchArgs {
     /// Causal (bottom-right) mask for `--shape`; the grid runs both.
     #[arg(long, requires = "shape")]
     causal: bool,
+
+    /// A block-sparse mask for `--shape`: blocks of BQ query rows by BK keys, `--density`
+    /// percent of them on (a fixed random draw); FLOP/s count the visible pairs.
+    #[arg(long, value_name = "BQ,BK", value_parser = parse_block, requires = "shape")]
+    block_size: Option<(usize, usize)>,
+
+    /// Percent of the blocks of `--block-size` that are on.
+    #[arg(long, value_name = "PCT", default_value_t = 50, requires = "block_size",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    density: u8,
 
     /// Also time one forward plus one backward (`fwdbwd_ms`), with FLOPs = 3.5 × forward, and
     /// measure the backward's peak extra memory.
@@ -122,11 +137,94 @@ fn parse_shape(s: &str) -> std::result::Result<Shape, String> {
     }
 }
 
-/// A shape and whether it is causal.
+/// Parses `BQ,BK` (both positive).
+fn parse_block(s: &str) -> std::result::Result<(usize, usize), String> {
+    let dims = s
+        .split(',')
+        .map(|x| x.trim().parse::<usize>().map_err(|e| format!("`{}`: {e}", x.trim())))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    match dims[..] {
+        [bq, bk] if bq > 0 && bk > 0 => Ok((bq, bk)),
+        _ => Err("expected two positive sizes BQ,BK".to_owned()),
+    }
+}
+
+/// A block-sparse mask option of a problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BlockOpt {
+    block_q: usize,
+    block_k: usize,
+    /// Percent of the blocks on.
+    density: u8,
+}
+
+impl BlockOpt {
+    /// The mask `[qb, kb]` for `sq × sk`: each block on with probability `density` percent, from a
+    /// fixed seed (the same mask on every run and device).
+    fn mask(&self, sq: usize, sk: usize) -> (Vec<u8>, [usize; 2]) {
+        let (qb, kb) = (sq.div_ceil(self.block_q), sk.div_ceil(self.block_k));
+        let mut rng = Rng::new(0xB10C);
+        let mask = (0..qb * kb).map(|_| u8::from(rng.uniform() * 100.0 < f64::from(self.density))).collect();
+        (mask, [qb, kb])
+    }
+}
+
+/// A shape, whether it is causal, and its block mask, if any.
 #[derive(Debug, Clone, Copy)]
 struct Problem {
     shape: Shape,
     causal: bool,
+    block: Option<BlockOpt>,
+}
+
+impl Problem {
+    /// The problem's spec over `mask` (made by [`BlockOpt::mask`] when it has a block mask).
+    fn spec<'a>(&self, mask: &'a (Vec<u8>, [usize; 2])) -> AttentionSpec<'a> {
+        let spec = if self.causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+        match self.block {
+            Some(b) => spec.block_mask(Tensor::new(&mask.0, &mask.1), b.block_q, b.block_k),
+            None => spec,
+        }
+    }
+
+    /// The mask of [`Problem::spec`] (empty without a block mask).
+    fn mask(&self) -> (Vec<u8>, [usize; 2]) {
+        match self.block {
+            Some(b) => b.mask(self.shape.sq, self.shape.sk),
+            None => (Vec::new(), [0, 0]),
+        }
+    }
+
+    /// Visible (query, key) pairs of one head over all pairs: 1 without a mask, about 1/2 causal;
+    /// with a block mask counted exactly (bottom-right causal intersected with the mask).
+    fn visible_fraction(&self) -> f64 {
+        let Shape { sq, sk, .. } = self.shape;
+        let Some(b) = self.block else {
+            return if self.causal { 0.5 } else { 1.0 };
+        };
+        let (mask, [_, kb]) = self.mask();
+        let off = sk as i64 - sq as i64;
+        let mut visible = 0usize;
+        for i in 0..sq {
+            // Keys [0, hi) under the causal rule (all keys without it).
+            let hi = if self.causal { (i as i64 + off + 1).clamp(0, sk as i64) as usize } else { sk };
+            let row = &mask[(i / b.block_q) * kb..][..kb];
+            for (bj, &on) in row.iter().enumerate() {
+                let (c0, c1) = (bj * b.block_k, ((bj + 1) * b.block_k).min(sk));
+                if on != 0 && c0 < hi {
+                    visible += c1.min(hi) - c0;
+                }
+            }
+        }
+        visible as f64 / (sq * sk).max(1) as f64
+    }
+
+    /// FlashAttention's FLOP count, over the visible pairs (`4 · b · hq · sq · sk · d ·
+    /// visible fraction`; the causal half as FlashAttention counts it).
+    fn flops(&self) -> f64 {
+        let Shape { b, hq, sq, sk, d, .. } = self.shape;
+        4.0 * b as f64 * hq as f64 * sq as f64 * sk as f64 * d as f64 * self.visible_fraction()
+    }
 }
 
 impl Problem {
@@ -135,7 +233,9 @@ impl Problem {
         let s = self.shape;
         let heads = if s.hq == s.hk { s.hq.to_string() } else { format!("{}/{}", s.hq, s.hk) };
         let len = if s.sq == s.sk { s.sq.to_string() } else { format!("{}/{}", s.sq, s.sk) };
-        format!("{}×{heads}×{len}×{}", s.b, s.d)
+        let block =
+            self.block.map_or_else(String::new, |b| format!(" blocks {}×{} {}%", b.block_q, b.block_k, b.density));
+        format!("{}×{heads}×{len}×{}{block}", s.b, s.d)
     }
 }
 
@@ -146,12 +246,12 @@ fn default_grid() -> Vec<Problem> {
     for d in [64, 128] {
         for s in [128, 512, 1024, 2048, 4096] {
             for causal in [false, true] {
-                grid.push(Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: s, sk: s, d }, causal });
+                grid.push(Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: s, sk: s, d }, causal, block: None });
             }
         }
     }
     for causal in [false, true] {
-        grid.push(Problem { shape: Shape { b: 4, hq: 12, hk: 12, sq: 512, sk: 512, d: 64 }, causal });
+        grid.push(Problem { shape: Shape { b: 4, hq: 12, hk: 12, sq: 512, sk: 512, d: 64 }, causal, block: None });
     }
     grid
 }
@@ -164,7 +264,7 @@ fn gpu_grid() -> Vec<Problem> {
         for s in [512, 1024, 2048, 4096, 8192, 16384] {
             for causal in [false, true] {
                 let (b, h) = (16384 / s, 2048 / d);
-                grid.push(Problem { shape: Shape { b, hq: h, hk: h, sq: s, sk: s, d }, causal });
+                grid.push(Problem { shape: Shape { b, hq: h, hk: h, sq: s, sk: s, d }, causal, block: None });
             }
         }
     }
@@ -230,7 +330,10 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     }
 
     let problems = match args.shape {
-        Some(shape) => vec![Problem { shape, causal: args.causal }],
+        Some(shape) => {
+            let block = args.block_size.map(|(block_q, block_k)| BlockOpt { block_q, block_k, density: args.density });
+            vec![Problem { shape, causal: args.causal, block }]
+        }
         None if cuda => gpu_grid(),
         None => default_grid(),
     };
@@ -335,7 +438,7 @@ fn inputs<T: Element>(s: Shape) -> Result<[Vec<T>; 3]> {
 
 /// One problem ready to time: its inputs and spec, and the forward's outputs allocated up front.
 struct Prepared<'a, T> {
-    spec: AttentionSpec<'static>,
+    spec: AttentionSpec<'a>,
     q: Tensor<'a, T>,
     k: Tensor<'a, T>,
     v: Tensor<'a, T>,
@@ -397,7 +500,8 @@ fn measure_typed<T: Element>(p: &Problem, progress: &Progress, min_runs: usize, 
     let [q, k, v] = inputs::<T>(s)?;
     let [qs, ks, vs] = s.qkv();
     let (q, k, v) = (Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &vs));
-    let spec = if p.causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    let mask = p.mask();
+    let spec = p.spec(&mask);
     let geometry = spec.geometry(&q, &k, &v)?;
     let out_shape = geometry.out_shape();
     let out = zeroed::<T>("out", &out_shape)?;
@@ -409,7 +513,7 @@ fn measure_typed<T: Element>(p: &Problem, progress: &Progress, min_runs: usize, 
     let (first, peak_extra) = progress.suspend(|| alloc::measure(|| prepared.forward()));
     first?;
     let (fwd_ms, runs) = time_calls(min_runs, || prepared.forward())?;
-    let flops = geometry.flops();
+    let flops = p.flops();
 
     let fwdbwd = if backward {
         let mut grads = Grads {
@@ -447,12 +551,11 @@ fn measure_cuda(dtype: DType, p: &Problem, backward: bool) -> Result<Measurement
 }
 
 fn measure_cuda_typed<T: GpuElement>(p: &Problem, backward: bool) -> Result<Measurement> {
-    let spec = if p.causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    let mask = p.mask();
+    let spec = p.spec(&mask);
     let shapes = p.shape.qkv().map(|s| s.to_vec());
     let timing = T::time_forward(&spec, &shapes, MIN_RUNS)?;
-    let Shape { b, hq, sq, sk, d, .. } = p.shape;
-    // FlashAttention's count (as `Geometry::flops` for fixed-length problems).
-    let flops = 4.0 * b as f64 * hq as f64 * sq as f64 * sk as f64 * d as f64 / if p.causal { 2.0 } else { 1.0 };
+    let flops = p.flops();
     let fwdbwd = if backward {
         let t = T::time_forward_backward(&spec, &shapes, MIN_RUNS)?;
         Some(FwdBwd {
@@ -507,7 +610,8 @@ fn memory_table(naive_max: usize, max_n: usize, plot: Option<&Path>) -> Result<E
     for n in seqlens {
         progress.set_message(format!("N = {n}"));
         let shape = Shape { b: 1, hq: 1, hk: 1, sq: n, sk: n, d: MEMORY_D };
-        let ours = measure_typed::<f32>(&Problem { shape, causal: false }, &progress, MEMORY_MIN_RUNS, false)?;
+        let ours =
+            measure_typed::<f32>(&Problem { shape, causal: false, block: None }, &progress, MEMORY_MIN_RUNS, false)?;
         ours_points.push(Point { n, ms: ours.fwd_ms, peak_extra_bytes: ours.peak_extra });
         let (naive_mem, naive_time) = if n <= naive_max {
             let (ms, bytes) = measure_naive(shape, &progress)?;
@@ -578,9 +682,19 @@ fn json_line(device: Device, dtype: DType, p: &Problem, m: &Measurement) -> Stri
         ),
         None => String::new(),
     };
+    let block = match p.block {
+        Some(b) => format!(
+            ",\"block_q\":{},\"block_k\":{},\"density_pct\":{},\"visible_fraction\":{}",
+            b.block_q,
+            b.block_k,
+            b.density,
+            json_number(p.visible_fraction())
+        ),
+        None => String::new(),
+    };
     format!(
         "{{\"device\":\"{}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hk\":{},\"sq\":{},\"sk\":{},\"d\":{},\
-         \"causal\":{},\"fwd_ms\":{},\"gflops\":{},\"peak_extra_bytes\":{},\"runs\":{}{fwdbwd}}}",
+         \"causal\":{},\"fwd_ms\":{},\"gflops\":{},\"peak_extra_bytes\":{},\"runs\":{}{block}{fwdbwd}}}",
         device.name(),
         dtype.name(),
         s.b,
@@ -700,6 +814,49 @@ mod tests {
     }
 
     #[test]
+    fn block_sizes_parse_as_two_positive_sizes() {
+        assert_eq!(parse_block("64, 128"), Ok((64, 128)));
+        for bad in ["64", "0,64", "64,x", "64,64,64"] {
+            assert!(parse_block(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn visible_fraction_counts_the_pairs_the_mask_and_causal_rule_leave() {
+        let mut rng = Rng::new(5);
+        for _ in 0..20 {
+            let (sq, sk) = (rng.range(1, 90), rng.range(1, 90));
+            let block = BlockOpt { block_q: rng.range(1, 20), block_k: rng.range(1, 20), density: 40 };
+            let p = Problem {
+                shape: Shape { b: 1, hq: 1, hk: 1, sq, sk, d: 8 },
+                causal: rng.chance(0.5),
+                block: Some(block),
+            };
+            let (mask, [_, kb]) = p.mask();
+            let off = sk as i64 - sq as i64;
+            let brute = (0..sq)
+                .flat_map(|i| (0..sk).map(move |j| (i, j)))
+                .filter(|&(i, j)| !p.causal || j as i64 <= i as i64 + off)
+                .filter(|&(i, j)| mask[(i / block.block_q) * kb + j / block.block_k] != 0)
+                .count();
+            assert!((p.visible_fraction() - brute as f64 / (sq * sk) as f64).abs() < 1e-12, "{p:?}");
+        }
+        let dense = Problem { shape: Shape { b: 1, hq: 1, hk: 1, sq: 8, sk: 8, d: 8 }, causal: false, block: None };
+        assert_eq!(dense.visible_fraction(), 1.0);
+    }
+
+    #[test]
+    fn json_line_with_a_block_mask_names_it() {
+        let block = Some(BlockOpt { block_q: 64, block_k: 32, density: 30 });
+        let p = Problem { shape: Shape { b: 1, hq: 2, hk: 2, sq: 256, sk: 256, d: 64 }, causal: false, block };
+        let m = Measurement { fwd_ms: 1.0, runs: 5, gflops: 1.0, peak_extra: Some(0), fwdbwd: None };
+        let line = json_line(Device::Cpu, DType::F32, &p, &m);
+        for key in ["\"block_q\":64", "\"block_k\":32", "\"density_pct\":30", "\"visible_fraction\":"] {
+            assert!(line.contains(key), "{key} missing in {line}");
+        }
+    }
+
+    #[test]
     fn bytes_use_binary_units() {
         assert_eq!(fmt_bytes(512), "512 B");
         assert_eq!(fmt_bytes(1536), "1.5 KiB");
@@ -715,7 +872,7 @@ mod tests {
 
     #[test]
     fn json_line_has_the_contract_keys() {
-        let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: true };
+        let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: true, block: None };
         let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: f64::INFINITY, peak_extra: Some(42), fwdbwd: None };
         let line = json_line(Device::Cpu, DType::BF16, &p, &m);
         for key in
@@ -729,7 +886,8 @@ mod tests {
 
     #[test]
     fn cuda_json_line_has_the_contract_keys_and_a_null_peak() {
-        let p = Problem { shape: Shape { b: 32, hq: 16, hk: 16, sq: 512, sk: 512, d: 128 }, causal: false };
+        let p =
+            Problem { shape: Shape { b: 32, hq: 16, hk: 16, sq: 512, sk: 512, d: 128 }, causal: false, block: None };
         let m = Measurement { fwd_ms: 0.25, runs: 200, gflops: 2.5e5, peak_extra: None, fwdbwd: None };
         let line = json_line(Device::Cuda, DType::BF16, &p, &m);
         assert!(line.starts_with("{\"device\":\"cuda\",\"dtype\":\"bf16\","), "{line}");
@@ -748,7 +906,7 @@ mod tests {
 
     #[test]
     fn json_line_with_backward_adds_fwdbwd_and_stays_one_object() {
-        let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: false };
+        let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: false, block: None };
         let fwdbwd = Some(FwdBwd { ms: 4.25, runs: 5, gflops: 12.5, bwd_peak_extra: Some(4096) });
         let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: 3.0, peak_extra: Some(42), fwdbwd };
         let line = json_line(Device::Cpu, DType::F32, &p, &m);

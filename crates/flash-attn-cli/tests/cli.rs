@@ -874,6 +874,29 @@ fn bench_json_line_has_the_contract_keys() {
 }
 
 #[test]
+fn bench_with_a_block_mask_runs_forward_and_backward_and_names_the_mask() {
+    let (line, fields) = bench_json(&[
+        "bench",
+        "--shape",
+        "1,2,2,96,80,32",
+        "--block-size",
+        "16,24",
+        "--density",
+        "40",
+        "--causal",
+        "--backward",
+        "--json",
+    ]);
+    let get = |k: &str| fields.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+    assert_eq!((get("block_q"), get("block_k"), get("density_pct")), (Some("16"), Some("24"), Some("40")), "{line}");
+    let fraction = get("visible_fraction").and_then(|v| v.parse::<f64>().ok());
+    assert!(fraction.is_some_and(|f| f > 0.0 && f < 0.6), "{line}");
+    for key in ["fwd_ms", "fwdbwd_ms"] {
+        assert!(get(key).and_then(|v| v.parse::<f64>().ok()).is_some_and(|x| x > 0.0), "{key} in {line}");
+    }
+}
+
+#[test]
 fn bench_backward_json_line_adds_fwdbwd_ms() {
     let (line, fields) = bench_json(&["bench", "--dtype", "f16", "--shape", "1,4,2,48,64,32", "--backward", "--json"]);
     let get = |k: &str| fields.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
