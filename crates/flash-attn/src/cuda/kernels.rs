@@ -40,8 +40,8 @@ pub struct Variant {
     pub bc: usize,
     /// Warps per block.
     pub warps: usize,
-    /// Whether dropout, softcap and ALiBi are compiled in (`FA_EXTRAS`); the variants without
-    /// them keep the plain path's registers.
+    /// Whether dropout, softcap, ALiBi and block masks are compiled in (`FA_EXTRAS`); the
+    /// variants without them keep the plain path's registers.
     pub extras: bool,
 }
 
@@ -119,7 +119,7 @@ impl Variant {
         Some(Variant { dtype, d, mt, bc, warps, extras: false })
     }
 
-    /// This variant with the extras (dropout, softcap, ALiBi) compiled in or not.
+    /// This variant with the extras (dropout, softcap, ALiBi, block masks) compiled in or not.
     pub fn with_extras(self, extras: bool) -> Variant {
         Variant { extras, ..self }
     }
@@ -166,7 +166,7 @@ pub struct BwdVariant {
     pub br: usize,
     /// Warps per block; each owns 16 keys, so a block holds `16 · warps` keys (`Bc`).
     pub warps: usize,
-    /// Whether dropout, softcap and ALiBi are compiled in (`FA_EXTRAS`).
+    /// Whether dropout, softcap, ALiBi and block masks are compiled in (`FA_EXTRAS`).
     pub extras: bool,
 }
 
@@ -230,7 +230,7 @@ impl BwdVariant {
         Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: false })
     }
 
-    /// This variant with the extras (dropout, softcap, ALiBi) compiled in or not.
+    /// This variant with the extras (dropout, softcap, ALiBi, block masks) compiled in or not.
     pub fn with_extras(self, extras: bool) -> BwdVariant {
         BwdVariant { extras, ..self }
     }

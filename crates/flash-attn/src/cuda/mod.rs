@@ -24,11 +24,12 @@
 //! (bottom-right and top-left), sliding windows, softcap, ALiBi, GQA/MQA (gradients summed into
 //! the `hk` heads on chip), fixed-length and varlen batches, dropout (the CPU's Philox keep mask,
 //! bit for bit), strided inputs whose strides are multiples of 8 elements; a deterministic
-//! backward ([`AttentionSpec::deterministic`]). Dropout, softcap and ALiBi run on kernel variants
-//! with those paths compiled in (`..._x`), so plain attention keeps its registers. Block-sparse
-//! masks run on those variants too: key tiles whose mask blocks are all off are skipped (in the
-//! backward, query tiles; not in deterministic mode), tiles with every block on and inside the
-//! interval rules run without a predicate, the rest check the mask per element.
+//! backward ([`AttentionSpec::deterministic`]); block-sparse masks. Dropout, softcap, ALiBi and
+//! block masks run on kernel variants with those paths compiled in (`..._x`), so plain attention
+//! keeps its registers. With a block mask, key tiles whose mask blocks are all off are skipped (in
+//! the backward, query tiles; not in deterministic mode), tiles with every block on and inside
+//! the interval rules run without a predicate, the rest check the mask per element (slow for
+//! blocks smaller than the tiles: docs/cuda-notes.md).
 
 mod kernels;
 mod launch;

@@ -17,7 +17,8 @@
 // Compile-time parameters (NVRTC -D options): FA_D (tile width: the head dim, or the next of 64
 // and 128 above it; columns past the runtime `d` load as zeros and are never stored), FA_BR
 // (queries per tile),
-// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (1: dropout, softcap and ALiBi),
+// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (1: dropout, softcap, ALiBi,
+// block masks),
 // FA_PARTS (query slices of the dP phase; an experiment knob, 1 in every shipped variant).
 
 #ifndef FA_D
@@ -30,7 +31,7 @@
 #define FA_WARPS 4
 #endif
 #ifndef FA_EXTRAS
-#define FA_EXTRAS 0  // 1: dropout, softcap and ALiBi compiled in (variants named `..._x`)
+#define FA_EXTRAS 0  // 1: dropout, softcap, ALiBi and block masks compiled in (variants `..._x`)
 #endif
 #ifndef FA_BF16
 #define FA_BF16 1

@@ -10,7 +10,7 @@
 // the next of 64, 128, 256 above it; the columns past the runtime `d` load as zeros and are
 // never stored, so they change no score and no output), FA_MT (16-row
 // tiles per warp), FA_BC (keys per tile), FA_WARPS, FA_BF16 (1: bf16, 0: fp16), FA_EXTRAS (1: the
-// dropout, softcap and ALiBi paths compiled in).
+// dropout, softcap, ALiBi and block-mask paths compiled in).
 
 #ifndef FA_D
 #define FA_D 128
@@ -25,7 +25,7 @@
 #define FA_WARPS 4
 #endif
 #ifndef FA_EXTRAS
-#define FA_EXTRAS 0  // 1: dropout, softcap and ALiBi compiled in (variants named `..._x`)
+#define FA_EXTRAS 0  // 1: dropout, softcap, ALiBi and block masks compiled in (variants `..._x`)
 #endif
 #ifndef FA_BF16
 #define FA_BF16 1
