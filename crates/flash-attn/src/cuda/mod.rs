@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError};
 
-use crate::dtype::Element;
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::spec::{AttentionSpec, Geometry};
 use crate::tensor::{Tensor, TensorMut};
@@ -48,6 +48,20 @@ use crate::{Gradients, Output};
 
 pub use kernels::{padded_head_dim, BwdVariant, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
 pub use nvrtc::Arch;
+
+/// Whether a caller's kernel variant `(dtype, tile width, extras)` can run a problem that needs
+/// `need` (the problem's dtype, tile width and whether it needs the extras); `d` is its head dim.
+fn check_fit(name: &str, have: (DType, usize, bool), need: (DType, usize, bool), d: usize) -> Result<()> {
+    if have.0 != need.0 || have.1 != need.1 || (need.2 && !have.2) {
+        return Err(Error::Unsupported(format!(
+            "variant {name} does not fit {} d = {d} (tile width {}{})",
+            need.0,
+            need.1,
+            if need.2 { ", extras" } else { "" }
+        )));
+    }
+    Ok(())
+}
 
 /// Element types the CUDA kernels take: [`half::f16`] and [`half::bf16`].
 pub trait CudaElement: Element + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {}
@@ -266,16 +280,12 @@ impl Device {
         // variant if it asked for one that fits.
         let default = launch::supported(&g, T::DTYPE)?;
         let variant = variant.unwrap_or(default);
-        if variant.dtype != T::DTYPE || variant.d != default.d || (default.extras && !variant.extras) {
-            return Err(Error::Unsupported(format!(
-                "variant {} does not fit {} d = {} (tile width {}{})",
-                variant.name(),
-                T::DTYPE,
-                g.d,
-                default.d,
-                if default.extras { ", extras" } else { "" }
-            )));
-        }
+        check_fit(
+            &variant.name(),
+            (variant.dtype, variant.d, variant.extras),
+            (T::DTYPE, default.d, default.extras),
+            g.d,
+        )?;
         let f = self.function(&variant)?;
         launch::forward(self, &f, &variant, &g, q, k, v, out, o_layout, lse)
     }
@@ -358,16 +368,12 @@ impl Device {
         )?;
         let default = launch::supported_backward(&g, T::DTYPE)?;
         let variant = variant.unwrap_or(default);
-        if variant.dtype != T::DTYPE || variant.d != default.d || (default.extras && !variant.extras) {
-            return Err(Error::Unsupported(format!(
-                "variant {} does not fit {} d = {} (tile width {}{})",
-                variant.name(),
-                T::DTYPE,
-                g.d,
-                default.d,
-                if default.extras { ", extras" } else { "" }
-            )));
-        }
+        check_fit(
+            &variant.name(),
+            (variant.dtype, variant.d, variant.extras),
+            (T::DTYPE, default.d, default.extras),
+            g.d,
+        )?;
         let f = self.bwd_functions(&variant)?;
         let buffers = launch::BwdBuffers {
             q,
