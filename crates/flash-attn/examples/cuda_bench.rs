@@ -133,6 +133,16 @@ fn run_case<T: cuda::CudaElement>(case: &Case) -> Result<flash_attn::check::Case
     Ok(report(&ours.out, &ours.lse, &oracle, &naive, case.dtype))
 }
 
+fn variant_case<T: cuda::CudaElement>(case: &Case, variant: Variant) -> Result<flash_attn::check::CaseReport> {
+    let data: CaseData<T> = case.data::<T>();
+    let spec = case.spec(&data);
+    let [q, k, v] = data.views();
+    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, Some(variant))?;
+    let oracle = reference::forward(&spec, &q, &k, &v)?;
+    let naive = reference::naive(&spec, &q, &k, &v)?;
+    Ok(report(&ours.out, &ours.lse, &oracle, &naive, case.dtype))
+}
+
 fn sanitize() -> Result<()> {
     let mut rng = Rng::new(7);
     for (i, (d, causal, varlen)) in [
@@ -191,6 +201,22 @@ fn sanitize() -> Result<()> {
             );
         }
     }
+    // One launch of every forward variant the device runs (the defaults above are the Hopper
+    // kernels on sm_90a: this keeps the mma.sync ones under the sanitizer too).
+    let arch = cuda::default_device()?.arch().clone();
+    for (i, variant) in Variant::all().into_iter().filter(|v| v.runs_on(&arch)).enumerate() {
+        let mut c = random_case(&mut rng);
+        (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
+        c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
+        if !variant.extras {
+            (c.softcap, c.alibi, c.block) = (None, None, None);
+        }
+        let rep = match variant.dtype {
+            DType::F16 => variant_case::<f16>(&c, variant)?,
+            _ => variant_case::<bf16>(&c, variant)?,
+        };
+        println!("sanitize variant {i} {}: {c}: {}", variant.name(), if rep.passed() { "pass" } else { "FAIL" });
+    }
     // Forward-only head dims past the backward's widest tile.
     for (i, (d, varlen)) in [(200, false), (256, true)].into_iter().enumerate() {
         let mut c = random_case(&mut rng);
@@ -230,7 +256,12 @@ fn bench(args: &[String]) -> Result<()> {
         let dtype: DType = dt.parse().map_err(flash_attn::Error::Unsupported)?;
         for &d in &dims {
             let variants: Vec<Option<Variant>> = if all_variants {
-                Variant::all().into_iter().filter(|v| v.dtype == dtype && v.d == d).map(Some).collect()
+                let arch = cuda::default_device()?.arch().clone();
+                Variant::all()
+                    .into_iter()
+                    .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch))
+                    .map(Some)
+                    .collect()
             } else {
                 vec![None]
             };
@@ -313,7 +344,7 @@ fn bench_one<T: cuda::CudaElement>(
     times.sort_by(f64::total_cmp);
     let ms = times[times.len() / 2];
     let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
-    let name = variant.or_else(|| Variant::default_for(T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
+    let name = variant.or_else(|| Variant::default_on(dev.arch(), T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
     println!(
         "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"hk\":{hk},\"sq\":{s},\"sk\":{s},\"d\":{d},\"causal\":{causal},\"fwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"}}",
         T::DTYPE,

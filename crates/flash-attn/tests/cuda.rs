@@ -3,9 +3,9 @@
 #![cfg(feature = "cuda")]
 
 use flash_attn::check::{compare_gradients, report, BlockCase, Case, Rng, Storage};
-use flash_attn::cuda::{self, Arch};
+use flash_attn::cuda::{self, Arch, Variant, HEAD_DIMS};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Error, Tensor};
-use half::bf16;
+use half::{bf16, f16};
 
 fn no_gpu(e: &Error) -> bool {
     matches!(e, Error::CudaUnavailable(_) | Error::NvrtcUnavailable(_))
@@ -116,6 +116,45 @@ fn forward_meets_the_numerics_contract_on_random_cases() {
         let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
         assert!(rep.passed(), "{c}: {rep}");
     }
+}
+
+/// Every forward variant the device runs (the mma.sync kernels and, on sm_90a, the Hopper
+/// kernels), not just the default one: random cases whose head dim the variant's tile holds, with
+/// the score modifiers and block masks only where the variant compiles them in.
+#[test]
+fn every_forward_variant_on_the_device_meets_the_contract() {
+    let Ok(dev) = cuda::default_device() else {
+        return;
+    };
+    let mut rng = Rng::new(31);
+    for variant in Variant::all().into_iter().filter(|v| v.runs_on(dev.arch())) {
+        for _ in 0..6 {
+            let mut c = random_cuda_case(&mut rng);
+            c.dtype = variant.dtype;
+            // A head dim that pads to this tile width (the smallest width holding it).
+            let lo = HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
+            c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
+            c.dv = c.d;
+            if !variant.extras {
+                (c.softcap, c.alibi, c.block) = (None, None, None);
+            }
+            match variant.dtype {
+                DType::F16 => forward_variant_case::<f16>(&c, variant),
+                _ => forward_variant_case::<bf16>(&c, variant),
+            }
+        }
+    }
+}
+
+fn forward_variant_case<T: cuda::CudaElement>(c: &Case, variant: Variant) {
+    let data = c.data::<T>();
+    let spec = c.spec(&data);
+    let [q, k, v] = data.views();
+    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, Some(variant)).expect("cuda forward");
+    let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
+    let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
+    let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
+    assert!(rep.passed(), "{} on {c}: {rep}", variant.name());
 }
 
 #[test]

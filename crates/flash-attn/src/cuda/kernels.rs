@@ -1,6 +1,7 @@
 //! The kernel variants: which embedded sources, with which compile-time tile shape, for which
 //! dtype and head dimension.
 
+use super::nvrtc::Arch;
 use crate::dtype::DType;
 
 /// The forward kernel's program: helpers first, then the mask rule, the online softmax and the
@@ -11,6 +12,7 @@ pub(crate) fn forward_source() -> String {
         include_str!("kernels/mask.cuh"),
         include_str!("kernels/philox.cuh"),
         include_str!("kernels/softmax.cuh"),
+        include_str!("kernels/wgmma.cuh"),
         include_str!("kernels/flash_fwd.cuh"),
     ]
     .join("\n")
@@ -43,6 +45,9 @@ pub struct Variant {
     /// Whether dropout, softcap, ALiBi and block masks are compiled in (`FA_EXTRAS`); the
     /// variants without them keep the plain path's registers.
     pub extras: bool,
+    /// Whether this is the Hopper kernel (`FA_WGMMA`: warpgroup MMAs, sm_90a only; `mt` is 1
+    /// and `warps` a multiple of 4) rather than the mma.sync kernel that runs on sm_80 and up.
+    pub wgmma: bool,
 }
 
 /// Tile widths the forward kernels are compiled for. A head dim (`d == dv`, a multiple of 8)
@@ -76,15 +81,29 @@ impl Variant {
         self.warps * 32
     }
 
-    /// Dynamic shared memory: the Q tile plus one K and one V tile, 2 bytes an element.
+    /// Dynamic shared memory, 2 bytes an element: the Q tile plus one K and one V tile; the
+    /// Hopper kernel keeps two K and V tiles (two stages) and 1 KiB of slack to align the tiles
+    /// to the 1024-byte period of the 128-byte swizzle.
     pub fn smem_bytes(&self) -> usize {
-        (self.block_rows() + 2 * self.bc) * self.d * 2
+        if self.wgmma {
+            (self.block_rows() + 4 * self.bc) * self.d * 2 + 1024
+        } else {
+            (self.block_rows() + 2 * self.bc) * self.d * 2
+        }
     }
 
-    /// A name that says everything that changes the binary, e.g. `flash_fwd_bf16_d128_m1_n64_w8`.
+    /// A name that says everything that changes the binary, e.g. `flash_fwd_bf16_d128_m1_n64_w8`
+    /// (`_h`: the Hopper kernel, `_x`: with the extras).
     pub fn name(&self) -> String {
+        let h = if self.wgmma { "_h" } else { "" };
         let x = if self.extras { "_x" } else { "" };
-        format!("flash_fwd_{}_d{}_m{}_n{}_w{}{x}", self.dtype.name(), self.d, self.mt, self.bc, self.warps)
+        format!("flash_fwd_{}_d{}_m{}_n{}_w{}{h}{x}", self.dtype.name(), self.d, self.mt, self.bc, self.warps)
+    }
+
+    /// Whether the variant runs on `arch`: the Hopper kernel needs sm_90a (its warpgroup MMAs
+    /// exist on no other target); the mma.sync kernel runs on sm_80 and everything after.
+    pub fn runs_on(&self, arch: &Arch) -> bool {
+        !self.wgmma || arch.has_wgmma()
     }
 
     /// NVRTC options selecting this variant.
@@ -99,10 +118,41 @@ impl Variant {
             format!("-DFA_WARPS={}", self.warps),
             format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
             format!("-DFA_EXTRAS={}", u8::from(self.extras)),
+            format!("-DFA_WGMMA={}", u8::from(self.wgmma)),
         ]
     }
 
-    /// The variant used for `dtype` and tile width `d` (one of [`HEAD_DIMS`]), if supported: the
+    /// The variant used on `arch` for `dtype` and tile width `d` (one of [`HEAD_DIMS`]): the
+    /// Hopper kernel where the target has warpgroup MMAs ([`Variant::hopper_for`]), else
+    /// [`Variant::default_for`].
+    pub fn default_on(arch: &Arch, dtype: DType, d: usize) -> Option<Variant> {
+        if arch.has_wgmma() {
+            Variant::hopper_for(dtype, d)
+        } else {
+            Variant::default_for(dtype, d)
+        }
+    }
+
+    /// The variant for a problem with dropout, softcap, ALiBi or a block mask on `arch`.
+    pub fn extras_on(arch: &Arch, dtype: DType, d: usize) -> Option<Variant> {
+        if arch.has_wgmma() {
+            Variant::hopper_for(dtype, d).map(|v| v.with_extras(true))
+        } else {
+            Variant::extras_for(dtype, d)
+        }
+    }
+
+    /// The Hopper (sm_90a) variant for `dtype` and tile width `d`: two warpgroups (128 query
+    /// rows), 128 keys per tile (64 at d = 256, where O takes 128 registers a thread).
+    pub fn hopper_for(dtype: DType, d: usize) -> Option<Variant> {
+        if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
+            return None;
+        }
+        let bc = if d == 256 { 64 } else { 128 };
+        Some(Variant { dtype, d, mt: 1, bc, warps: 8, extras: false, wgmma: true })
+    }
+
+    /// The mma.sync variant (sm_80 and up) used for `dtype` and tile width `d` (one of [`HEAD_DIMS`]), if supported: the
     /// fastest spill-free tile shape measured on an H100 (docs/cuda-notes.md): d = 64, 32 rows
     /// per warp, 64 keys per tile, 4 warps (FlashAttention-2's shape); d = 128, 16 rows per warp,
     /// 128 keys, 8 warps (32 rows per warp spills at d = 128 and was slower from s = 1024 on);
@@ -116,7 +166,7 @@ impl Variant {
             128 => (1, 128, 8),
             _ => (2, 64, 4),
         };
-        Some(Variant { dtype, d, mt, bc, warps, extras: false })
+        Some(Variant { dtype, d, mt, bc, warps, extras: false, wgmma: false })
     }
 
     /// This variant with the extras (dropout, softcap, ALiBi, block masks) compiled in or not.
@@ -132,7 +182,8 @@ impl Variant {
         Some(if d == 64 { Variant { bc: 32, ..v } } else { v })
     }
 
-    /// Every variant that is compiled by `compile_all` and can be benchmarked.
+    /// Every variant that is compiled by `compile_all` (each for the targets it
+    /// [`runs_on`](Variant::runs_on)) and can be benchmarked.
     pub fn all() -> Vec<Variant> {
         let mut v = Vec::new();
         for dtype in [DType::BF16, DType::F16] {
@@ -144,10 +195,14 @@ impl Variant {
                     _ => &[(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)],
                 };
                 for &(mt, bc, warps) in shapes {
-                    v.push(Variant { dtype, d, mt, bc, warps, extras: false });
+                    v.push(Variant { dtype, d, mt, bc, warps, extras: false, wgmma: false });
                 }
                 if let Some(x) = Variant::extras_for(dtype, d) {
                     v.push(x);
+                }
+                if let Some(h) = Variant::hopper_for(dtype, d) {
+                    v.push(h);
+                    v.push(h.with_extras(true));
                 }
             }
         }

@@ -6,6 +6,7 @@ use cudarc::driver::{
     SyncOnDrop,
 };
 
+use super::nvrtc::Arch;
 use super::{driver_error, padded_head_dim, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut, Variant};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -235,10 +236,11 @@ fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) -> Result<usi
     padded_head_dim(g.d, backward).ok_or(Error::HeadDim { tensor: "q", dim: g.d, backend, min: 8, max })
 }
 
-/// The forward variant for this problem, or why the CUDA forward cannot run it.
-pub(crate) fn supported(g: &Geometry<'_>, dtype: DType) -> Result<Variant> {
+/// The forward variant for this problem on `arch`, or why the CUDA forward cannot run it.
+pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<Variant> {
     let width = check_supported(g, dtype, false)?;
-    let variant = if needs_extras(g) { Variant::extras_for(dtype, width) } else { Variant::default_for(dtype, width) };
+    let variant =
+        if needs_extras(g) { Variant::extras_on(arch, dtype, width) } else { Variant::default_on(arch, dtype, width) };
     variant.ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
 }
 

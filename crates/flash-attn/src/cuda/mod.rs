@@ -278,8 +278,11 @@ impl Device {
         g.check_lse_len(lse.len())?;
         // What the problem needs (and whether the kernels support it at all), then the caller's
         // variant if it asked for one that fits.
-        let default = launch::supported(&g, T::DTYPE)?;
+        let default = launch::supported(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
+        if !variant.runs_on(&self.arch) {
+            return Err(Error::Unsupported(format!("variant {} does not run on {}", variant.name(), self.arch.0)));
+        }
         check_fit(
             &variant.name(),
             (variant.dtype, variant.d, variant.extras),
@@ -468,11 +471,11 @@ pub fn forward_host_variant<T: CudaElement>(
     variant: Option<Variant>,
 ) -> Result<Output<T>> {
     let g = Geometry::new(spec, q, k, v)?;
+    let dev = default_device()?;
     let variant = match variant {
         Some(v) => v,
-        None => launch::supported(&g, T::DTYPE)?,
+        None => launch::supported(&g, T::DTYPE, dev.arch())?,
     };
-    let dev = default_device()?;
     let (dq, dk, dv) = (dev.upload(q.data())?, dev.upload(k.data())?, dev.upload(v.data())?);
     let out_shape = g.out_shape();
     let lse_shape = g.lse_shape();
@@ -605,14 +608,21 @@ pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
     let (fwd_source, bwd_source) = (kernels::forward_source(), kernels::backward_source());
     // (name, program, options, spill budget) of every variant; a backward program holds three
     // kernels and ptxas_usage reports the largest, the main kernel's.
-    let programs: Vec<(String, &str, Vec<String>, u32)> = Variant::all()
+    let programs: Vec<(String, &str, Vec<String>, u32, bool)> = Variant::all()
         .into_iter()
-        .map(|v| (v.name(), fwd_source.as_str(), v.options(), 0))
-        .chain(BwdVariant::all().into_iter().map(|v| (v.name(), bwd_source.as_str(), v.options(), v.spill_budget())))
+        .map(|v| (v.name(), fwd_source.as_str(), v.options(), 0, v.wgmma))
+        .chain(
+            BwdVariant::all()
+                .into_iter()
+                .map(|v| (v.name(), bwd_source.as_str(), v.options(), v.spill_budget(), false)),
+        )
         .collect();
     let mut reports = Vec::new();
     for arch in archs {
-        for (name, source, options, spill_budget) in &programs {
+        for (name, source, options, spill_budget, wgmma) in &programs {
+            if *wgmma && !arch.has_wgmma() {
+                continue;
+            }
             let (log, result) = match nvrtc::compile(name, source, options, arch) {
                 Ok(c) => (c.log, Ok(())),
                 Err(Error::KernelCompile { kernel, log }) => (log.clone(), Err(Error::KernelCompile { kernel, log })),

@@ -57,6 +57,12 @@ impl Arch {
             Arch(format!("sm_{major}{minor}"))
         }
     }
+
+    /// Whether the target has Hopper's warpgroup MMAs (`wgmma`): sm_90a only (they are not in
+    /// plain sm_90, nor in later architectures).
+    pub fn has_wgmma(&self) -> bool {
+        self.0 == "sm_90a"
+    }
 }
 
 /// Folders that may hold `cuda_fp16.h`: `$CUDA_HOME/include`, `$CUDA_PATH/include`,

@@ -30,6 +30,9 @@
 #ifndef FA_BF16
 #define FA_BF16 1
 #endif
+#ifndef FA_WGMMA
+#define FA_WGMMA 0  // 1: the sm_90a warpgroup-MMA kernel (FlashFwdSm90)
+#endif
 
 // The launch parameters; mirrored field for field by `FwdParams` in src/cuda/launch.rs.
 struct FwdParams {
@@ -348,8 +351,194 @@ struct FlashFwd {
     }
 };
 
+#if FA_WGMMA
+// The Hopper forward (sm_90a, FA_WGMMA = 1): the same algorithm, block order, masks, softmax and
+// store as FlashFwd, with both products on warpgroup MMAs (wgmma.cuh). A block is WARPS / 4
+// warpgroups of 64 query rows each (a warp keeps its 16 rows: FA_MT must be 1); Q, K and V sit
+// in shared memory in the wgmma's 128-byte-swizzled layout (load_tile_gmma), K and V in two
+// stages, so the copy of tile n + 1 runs under the products of tile n. S = Q·Kᵀ reads both
+// operands from shared memory; O += P·V takes P from the score registers and V transposed by the
+// instruction.
+template <int D, int BC, int WARPS, bool BF16>
+struct FlashFwdSm90 {
+    using Base = FlashFwd<D, 1, BC, WARPS, BF16>;
+    static_assert(WARPS % 4 == 0, "whole warpgroups");
+    static constexpr int BR = WARPS * 16;
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int NT = BC / 8;
+    static constexpr int DT = D / 8;
+    static constexpr int Q_BYTES = BR * D * 2;
+    static constexpr int KV_BYTES = BC * D * 2;
+    static constexpr int STAGE_BYTES = 2 * KV_BYTES;  // K then V of one key tile
+    static constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGE_BYTES;
+
+    // S = Q Kᵀ for this warpgroup's 64 rows (`sQw`: its first row), unscaled.
+    static __device__ __forceinline__ void scores(FragC (&s)[1][NT], u32 sQw, u32 sK) {
+        fence_operands(s[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u64 da = gmma_desc(sQw + (u32)((kk / 4) * BR * 128 + (kk % 4) * 32), 16, 1024);
+            const u64 db = gmma_desc(sK + (u32)((kk / 4) * BC * 128 + (kk % 4) * 32), 16, 1024);
+            wgmma_ss<BC>(s[0], da, db, kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(s[0]);
+    }
+
+    // O += P V for this warpgroup's rows, P from the probability registers.
+    static __device__ __forceinline__ void accumulate_pv(FragC (&o)[1][DT], const FragC (&p)[1][NT], u32 sV) {
+        FragA pa[BC / 16];
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            pa[kk] = scores_to_a<BF16>(p[0][2 * kk], p[0][2 * kk + 1]);
+            fence_operands(pa[kk]);
+        }
+        fence_operands(o[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<D>(o[0], pa[kk], gmma_desc(sV + (u32)(kk * 16 * 128), BC * 128, 1024));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(o[0]);
+    }
+
+    static __device__ __forceinline__ void run(const FwdParams& p, char* smem) {
+        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int heads = p.batch * p.hq;
+        int m_block, bh;
+        if (p.longest_first) {
+            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
+            bh = blockIdx.x % heads;
+        } else {
+            m_block = blockIdx.x % p.num_m_blocks;
+            bh = blockIdx.x / p.num_m_blocks;
+        }
+        const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
+
+        int q_start = 0, k_start = 0, sq = p.sq, sk = p.sk;
+        if (p.cu_seqlens_q) {
+            q_start = p.cu_seqlens_q[b];
+            sq = p.cu_seqlens_q[b + 1] - q_start;
+            k_start = p.cu_seqlens_k[b];
+            sk = p.cu_seqlens_k[b + 1] - k_start;
+        }
+        const int row0 = m_block * BR;
+        if (row0 >= sq) return;
+        const int rows_valid = min(BR, sq - row0);
+        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+        const bool modded = FA_EXTRAS != 0 && p.mod.active();
+        const float slope = p.mod.slope(b, h, p.hq);
+
+        const u16* gQ = p.q + b * p.q_batch + (long long)(q_start + row0) * p.q_row + h * p.q_head;
+        const u16* gK = p.k + b * p.k_batch + (long long)k_start * p.k_row + hk * p.k_head;
+        const u16* gV = p.v + b * p.v_batch + (long long)k_start * p.v_row + hk * p.v_head;
+        u16* gO = p.o + b * p.o_batch + (long long)(q_start + row0) * p.o_row + h * p.o_head;
+        float* gL = p.lse + b * p.lse_batch + h * p.lse_head + q_start + row0;
+
+        // `smem` is 1024-byte aligned (the 128-byte swizzle's period).
+        const u32 sQ = smem_addr(smem), sKV = sQ + Q_BYTES;
+        const int warp_row = warp * 16;
+        const u32 sQw = sQ + (u32)((warp / 4) * 64 * 128);
+
+        FragC o[1][DT];
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
+        OnlineSoftmax<1> softmax;
+        softmax.init();
+
+        int key_lo, key_hi;
+        vis.key_range(row0, row0 + rows_valid, key_lo, key_hi);
+        const int n_begin = key_lo / BC, n_end = (key_hi + BC - 1) / BC;
+
+        const bool blocky = FA_EXTRAS != 0 && p.block.active();
+        const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
+        auto next_tile = [&](int n, bool& all_on) {
+            all_on = true;
+            if (blocky) {
+                for (; n >= n_begin; --n) {
+                    bool any;
+                    p.block.classify(plane, row0, row0 + rows_valid, n * BC, min(sk, (n + 1) * BC), tid, THREADS,
+                                     any, all_on);
+                    if (any) break;
+                }
+            }
+            return n;
+        };
+        auto load_kv = [&](int n, u32 stage) {
+            const int c = n * BC;
+            load_tile_gmma<BC, D, THREADS>(stage, gK + (long long)c * p.k_row, p.k_row, sk - c, p.d, tid);
+            load_tile_gmma<BC, D, THREADS>(stage + KV_BYTES, gV + (long long)c * p.v_row, p.v_row, sk - c, p.d, tid);
+        };
+
+        bool all_on;
+        int n = next_tile(n_end - 1, all_on);
+        if (n >= n_begin) {
+            load_tile_gmma<BR, D, THREADS>(sQ, gQ, p.q_row, rows_valid, p.d, tid);
+            load_kv(n, sKV);
+            cp_async_commit();
+            int stage = 0;
+            // Key tiles last to first, as FlashFwd.
+            while (n >= n_begin) {
+                const int col0 = n * BC;
+                const u32 sK = sKV + (u32)(stage * STAGE_BYTES), sV = sK + KV_BYTES;
+                cp_async_wait<0>();
+                fence_proxy_async();
+                __syncthreads();  // tile n landed; every warpgroup is done with the other stage
+                bool next_all_on;
+                const int next = next_tile(n - 1, next_all_on);
+                if (next >= n_begin) load_kv(next, sKV + (u32)((stage ^ 1) * STAGE_BYTES));
+                cp_async_commit();
+
+                FragC s[1][NT];
+                scores(s, sQw, sK);
+                if (modded) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[0][nt].x[e] *= p.mod.scale;
+                    Base::apply_mod(s, p.mod, slope, sk - sq, row0 + warp_row, col0, lane);
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[0][nt].x[e] *= p.scale_log2;
+                }
+                if (!all_on || !vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                    Base::apply_mask(s, vis, plane, p.block, row0 + warp_row, col0, lane);
+
+                softmax.update(s, o);
+                if (FA_EXTRAS != 0 && p.dropout.enabled)
+                    Base::apply_dropout(s, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0, lane);
+                accumulate_pv(o, s, sV);
+                n = next;
+                all_on = next_all_on;
+                stage ^= 1;
+            }
+        }
+
+        float lse[1][2];
+        softmax.finish(o, lse);
+        __syncthreads();  // the Q tile's memory is reused for the output
+        Base::store(o, lse, sQ, gO, p.o_row, gL, rows_valid, p.d, warp_row, lane, tid);
+    }
+};
+#endif  // FA_WGMMA
+
+#if FA_WGMMA
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_fwd(const FwdParams p) {
+    extern __shared__ __align__(128) char smem[];
+    // The launcher adds 1 KiB so that the tiles can start on the swizzle's 1024-byte period.
+    const u32 base = smem_addr(smem);
+    FlashFwdSm90<FA_D, FA_BC, FA_WARPS, FA_BF16 != 0>::run(p, smem + (((base + 1023u) & ~1023u) - base));
+}
+#else
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32) flash_fwd(const FwdParams p) {
     extern __shared__ __align__(128) char smem[];
     FlashFwd<FA_D, FA_MT, FA_BC, FA_WARPS, FA_BF16 != 0>::run(p, smem);
 }
+#endif
 
