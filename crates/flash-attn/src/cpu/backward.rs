@@ -13,10 +13,10 @@ use rayon::prelude::*;
 
 use super::blocking::Tiles;
 use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair};
-use super::pairs::{narrow_row_pairs, narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
+use super::pairs::{ds_to_pairs, narrow_row_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::tile::{load_rows, rows_f32, score_tile, QkOperands, ScoreMod};
 use super::transpose::transpose;
-use super::vexp::exp_sub_sum;
+use super::vexp::{exp_scaled_row_pairs, exp_scaled_sub_sum};
 use super::Sink;
 use crate::dtype::Element;
 use crate::error::{try_vec, Result};
@@ -241,20 +241,37 @@ impl<T: Element> Context<'_, T> {
             sc.delta[r] = self.delta[li];
         }
 
-        // Recompute S_ij and P_ij = exp(S_ij - L_i) from the saved LSE.
+        // Recompute S_ij and P_ij = exp(S_ij - L_i) from the saved LSE; the softmax scale, when
+        // it is the only score modifier, is folded into the exponent (one pass fewer).
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
         let qk = match &ops {
             RowOperands::F32 { q, ldq, .. } => QkOperands::F32 { q, ldq: *ldq, kt: &sc.kt },
             RowOperands::Pairs(pt) => QkOperands::Bf16Pairs { q: &pt.q, ldq: d.div_ceil(2), kt: &pt.kt },
         };
-        score_tile(&mut sc.s, bc, (qk, false), d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
-        for r in 0..nr {
-            let lse = sc.lse[r];
-            let row = &mut sc.s[r * bc..r * bc + nc];
-            if lse == f32::NEG_INFINITY {
-                row.fill(0.0); // a row that sees no key has no gradient
-            } else {
-                exp_sub_sum(row, lse);
+        let exp_scale = smod.deferrable_scale();
+        score_tile(&mut sc.s, bc, (qk, exp_scale.is_some()), d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
+        let exp_scale = exp_scale.unwrap_or(1.0);
+        match &mut ops {
+            // bf16 without dropout: P rounded to pairs along the rows (dV's operand) in the same
+            // pass, two rows at a time.
+            RowOperands::Pairs(pt) if g.dropout.is_none() => {
+                for q in 0..nr.div_ceil(2) {
+                    let (lo, hi) = sc.s[2 * q * bc..].split_at_mut(bc);
+                    let lo = (&mut lo[..nc], sc.lse[2 * q]);
+                    let hi = (2 * q + 1 < nr).then(|| (&mut hi[..nc], sc.lse[2 * q + 1]));
+                    exp_scaled_row_pairs(lo, hi, exp_scale, &mut pt.p_rows[q * bc..]);
+                }
+            }
+            _ => {
+                for r in 0..nr {
+                    let lse = sc.lse[r];
+                    let row = &mut sc.s[r * bc..r * bc + nc];
+                    if lse == f32::NEG_INFINITY {
+                        row.fill(0.0); // a row that sees no key has no gradient
+                    } else {
+                        exp_scaled_sub_sum(row, exp_scale, lse);
+                    }
+                }
             }
         }
         // dP_ij = dO_i V_jᵀ.
@@ -285,47 +302,55 @@ impl<T: Element> Context<'_, T> {
         match &mut ops {
             RowOperands::F32 { dout, ldo, .. } => gemm_ta(&mut sc.dv, dv, p, bc, dout, *ldo, (nc, dv, nr), true),
             RowOperands::Pairs(pt) => {
-                pair_rows(&mut pt.p_rows, bc, p, bc, nr, nc);
+                if g.dropout.is_some() {
+                    pair_rows(&mut pt.p_rows, bc, p, bc, nr, nc);
+                }
                 gemm_bf16_ta(&mut sc.dv, dv, &pt.p_rows, bc, &pt.dout_rows, dv, (nc, dv, nr.div_ceil(2)), true);
             }
         }
 
-        // dS_ij = P_ij ∘ (dP_ij - D_i), through the softcap: ∘ (1 - tanh²).
-        for r in 0..nr {
-            let delta = sc.delta[r];
-            let (p, dp) = (&mut sc.s[r * bc..r * bc + nc], &sc.dp[r * bc..r * bc + nc]);
-            for (pi, &dpi) in p.iter_mut().zip(dp) {
-                *pi *= dpi - delta;
-            }
-            if smod.has_softcap() {
+        // Through the softcap, dS carries the factor (1 - tanh²): folded into P here, which
+        // nothing else reads from now on.
+        if smod.has_softcap() {
+            for r in 0..nr {
+                let p = &mut sc.s[r * bc..r * bc + nc];
                 for (pi, &t) in p.iter_mut().zip(&sc.tanh[r * bc..r * bc + nc]) {
                     *pi *= 1.0 - t * t;
                 }
             }
         }
-        // dK_j += dSᵀ Q_i (scaled when written); dQ_i += scale · dS K_j into this chunk's partial.
-        match &mut ops {
-            RowOperands::F32 { q, ldq, .. } => gemm_ta(&mut sc.dk, d, &sc.s, bc, q, *ldq, (nc, d, nr), true),
-            RowOperands::Pairs(pt) => {
-                pair_rows(&mut pt.ds_rows, bc, &sc.s, bc, nr, nc);
-                gemm_bf16_ta(&mut sc.dk, d, &pt.ds_rows, bc, &pt.q_rows, d, (nc, d, nr.div_ceil(2)), true);
-            }
-        }
-        for r in 0..nr {
-            sc.s[r * bc..r * bc + nc].iter_mut().for_each(|x| *x *= g.scale);
-        }
+        // dS_ij = P_ij ∘ (dP_ij - D_i); dK_j += dSᵀ Q_i (scaled when written); dQ_i += dS K_j
+        // into this chunk's partial (scaled when the partials are summed).
         let at = self.dq_index(chunk, head, g.q_token(seq, rows.start));
         // SAFETY: the partial rows of (chunk, head, tokens of `rows`) are touched only by the unit
         // of (sequence, kv_head(head), chunk), which runs on one thread; tokens of one sequence
         // are consecutive, and the buffer holds chunks · hq · total_q · d floats.
         let dq = unsafe { self.dq_acc.slice_mut(at, nr * d) };
         match ops {
-            RowOperands::F32 { .. } => gemm(dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true),
-            RowOperands::Pairs(mut pt) => {
-                let bcp = bc.div_ceil(2);
+            RowOperands::F32 { q, ldq, .. } => {
                 for r in 0..nr {
-                    narrow_to_pairs(&mut pt.ds_keys[r * bcp..], &sc.s[r * bc..r * bc + nc]);
+                    let delta = sc.delta[r];
+                    let (p, dp) = (&mut sc.s[r * bc..r * bc + nc], &sc.dp[r * bc..r * bc + nc]);
+                    for (pi, &dpi) in p.iter_mut().zip(dp) {
+                        *pi *= dpi - delta;
+                    }
                 }
+                gemm_ta(&mut sc.dk, d, &sc.s, bc, q, ldq, (nc, d, nr), true);
+                gemm(dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true);
+            }
+            RowOperands::Pairs(mut pt) => {
+                // dS rounded to bf16 once, in both layouts, in one pass over P and dP.
+                let bcp = bc.div_ceil(2);
+                for q in 0..nr.div_ceil(2) {
+                    let (r0, r1) = (2 * q, 2 * q + 1);
+                    let lo = (&sc.s[r0 * bc..r0 * bc + nc], &sc.dp[r0 * bc..r0 * bc + nc], sc.delta[r0]);
+                    let hi =
+                        (r1 < nr).then(|| (&sc.s[r1 * bc..r1 * bc + nc], &sc.dp[r1 * bc..r1 * bc + nc], sc.delta[r1]));
+                    let (keys_lo, keys_hi) = pt.ds_keys[r0 * bcp..].split_at_mut(bcp);
+                    let keys_hi = (r1 < nr).then_some(keys_hi);
+                    ds_to_pairs(lo, hi, &mut pt.ds_rows[q * bc..], keys_lo, keys_hi);
+                }
+                gemm_bf16_ta(&mut sc.dk, d, &pt.ds_rows, bc, &pt.q_rows, d, (nc, d, nr.div_ceil(2)), true);
                 gemm_bf16(dq, d, &pt.ds_keys, bcp, &pt.k_keys, d, (nr, d, nc.div_ceil(2)), true);
                 sc.pairs = Some(pt);
             }

@@ -300,7 +300,8 @@ pub fn backward_into<T: Element>(
         |sc, &(s, kv_head, chunk)| ctx.kv_unit(sc, s, kv_head, chunk),
     );
 
-    // dQ = Σ over chunks, in chunk order, rounded once.
+    // dQ = scale · Σ over chunks, in chunk order, rounded once (the units accumulate dS K
+    // unscaled: one pass over each dS tile fewer).
     let dq_sink = Sink::new(dq.data_mut());
     let (hq, d, total_q) = (g.hq, g.d, g.total_q);
     (0..total_q).into_par_iter().for_each_init(
@@ -314,6 +315,7 @@ pub fn backward_into<T: Element>(
                     let at = ((c * hq + h) * total_q + t) * d;
                     sum.iter_mut().zip(&dq_acc[at..at + d]).for_each(|(s, &x)| *s += x);
                 }
+                sum.iter_mut().for_each(|s| *s *= g.scale);
                 let at = t * dq_layout.token_stride + h * dq_layout.head_stride;
                 // SAFETY: token t is written by this iteration alone; its row of `d` elements
                 // is contiguous inside the validated, non-overlapping `dq` view.

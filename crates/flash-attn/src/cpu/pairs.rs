@@ -205,6 +205,47 @@ pub(super) fn narrow_row_pairs(dst: &mut [Bf16Pair], lo: &[f32], hi: Option<&[f3
     }
 }
 
+/// One query row of the backward pass's `dS = P ∘ (dP - D)`: `(P row, dP row, D)`.
+pub(super) type DsRow<'a> = (&'a [f32], &'a [f32], f32);
+
+/// `dS` of two query rows rounded to `bf16` once and written in both layouts its products need,
+/// in one pass over `P` and `dP`: pairs along the rows into `rows_dst` (`rows_dst[c]` = `lo[c],
+/// hi[c]`, zero for a missing `hi`; the `A` operand of `dK += dSᵀ Q`) and each row as pairs along
+/// the keys into `keys_lo` / `keys_hi` (an odd length padded with zero; the `A` operand of
+/// `dQ += dS K`). Bitwise [`narrow_row_pairs`] and [`narrow_to_pairs`] of `p · (dp - d)`.
+pub(super) fn ds_to_pairs(
+    lo: DsRow<'_>,
+    hi: Option<DsRow<'_>>,
+    rows_dst: &mut [Bf16Pair],
+    keys_lo: &mut [Bf16Pair],
+    keys_hi: Option<&mut [Bf16Pair]>,
+) {
+    let n = lo.0.len();
+    let kp = n.div_ceil(2);
+    assert!(
+        lo.1.len() >= n
+            && rows_dst.len() >= n
+            && keys_lo.len() >= kp
+            && hi.is_none_or(|h| h.0.len() >= n && h.1.len() >= n)
+            && hi.is_some() == keys_hi.is_some()
+            && keys_hi.as_ref().is_none_or(|k| k.len() >= kp),
+        "ds_to_pairs: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm::bf16_pairs_fast() {
+        // SAFETY: AVX-512F and AVX-512 BF16 are available (checked above); lengths checked.
+        return unsafe { x86::ds_to_pairs(lo, hi, rows_dst, keys_lo, keys_hi) };
+    }
+    let ds = |(p, dp, d): DsRow<'_>| -> Vec<f32> { p[..n].iter().zip(dp).map(|(&p, &dp)| p * (dp - d)).collect() };
+    let ds_lo = ds(lo);
+    let ds_hi = hi.map(ds);
+    narrow_row_pairs(rows_dst, &ds_lo, ds_hi.as_deref());
+    narrow_to_pairs(keys_lo, &ds_lo);
+    if let (Some(k), Some(h)) = (keys_hi, &ds_hi) {
+        narrow_to_pairs(k, h);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -215,6 +256,64 @@ mod x86 {
             0xFFFF
         } else {
             ((1u32 << k) - 1) as u16
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F and AVX-512 BF16 available; the lengths checked by `super::ds_to_pairs`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn ds_to_pairs(
+        lo: super::DsRow<'_>,
+        hi: Option<super::DsRow<'_>>,
+        rows_dst: &mut [u32],
+        keys_lo: &mut [u32],
+        keys_hi: Option<&mut [u32]>,
+    ) {
+        let n = lo.0.len();
+        // A missing `hi` reads the `lo` row with every lane masked off (zeros) and stores nothing.
+        let (hi_rows, hi_live) = match hi {
+            Some(h) => (h, 0xFFFF),
+            None => (lo, 0),
+        };
+        let (klo, khi) = (keys_lo.as_mut_ptr(), keys_hi.map_or(std::ptr::null_mut(), |k| k.as_mut_ptr()));
+        let rp = rows_dst.as_mut_ptr();
+        let mut j = 0;
+        while j < n {
+            let w = (n - j).min(32);
+            let (k0, k1) = (mask(w), mask(w.saturating_sub(16)));
+            // SAFETY: loads masked to the `w` valid columns from `j` (the second half's address
+            // may lie past the row when `k1 = 0`, and is then never read); stores masked to the
+            // `w` row words from `j` and the `w.div_ceil(2)` key words from `j / 2`, in bounds by
+            // the caller's contract. Masked-off lanes are exact zeros, which pad an odd tail.
+            unsafe {
+                let ds = |(p, dp, d): super::DsRow<'_>, k: __mmask16, off: usize| {
+                    let pv = _mm512_maskz_loadu_ps(k, p.as_ptr().wrapping_add(j + off));
+                    let dpv = _mm512_maskz_loadu_ps(k, dp.as_ptr().wrapping_add(j + off));
+                    _mm512_maskz_mul_ps(k, pv, _mm512_sub_ps(dpv, _mm512_set1_ps(d)))
+                };
+                let (l0, l1) = (ds(lo, k0, 0), ds(lo, k1, 16));
+                let (h0, h1) = (ds(hi_rows, k0 & hi_live, 0), ds(hi_rows, k1 & hi_live, 16));
+                // Each row's 32 values as bf16 in key order: 16 words of key pairs.
+                let bl: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(l1, l0));
+                let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h1, h0));
+                let kw = mask(w.div_ceil(2));
+                _mm512_mask_storeu_epi32(klo.add(j / 2).cast(), kw, bl);
+                if hi_live != 0 {
+                    _mm512_mask_storeu_epi32(khi.add(j / 2).cast(), kw, bh);
+                }
+                // And interleaved across the two rows: word c = lo[c] | hi[c] << 16.
+                let word = |half_l: __m256i, half_h: __m256i| {
+                    _mm512_or_si512(
+                        _mm512_cvtepu16_epi32(half_l),
+                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half_h)),
+                    )
+                };
+                let w0 = word(_mm512_castsi512_si256(bl), _mm512_castsi512_si256(bh));
+                let w1 = word(_mm512_extracti64x4_epi64::<1>(bl), _mm512_extracti64x4_epi64::<1>(bh));
+                _mm512_mask_storeu_epi32(rp.add(j).cast(), k0, w0);
+                _mm512_mask_storeu_epi32(rp.wrapping_add(j + 16).cast(), k1, w1);
+            }
+            j += w;
         }
     }
 
@@ -298,6 +397,40 @@ mod tests {
                 assert_eq!(dst[c], round(lo[c]) | hi_row.map_or(0, |h| round(h[c])) << 16, "column {c}");
             }
             assert_eq!(dst[21], u32::MAX, "nothing written past the row");
+        }
+    }
+
+    #[test]
+    fn fused_ds_pairs_equal_the_two_narrowings() {
+        for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 77, 128] {
+            let p: Vec<f32> = (0..n).map(|i| ((i as f32 * 0.31).sin() + 1.0) * 0.4).collect();
+            let dp: Vec<f32> = (0..n).map(|i| (i as f32 * 0.77).cos() * 3.0).collect();
+            let p2: Vec<f32> = (0..n).map(|i| 1.0 / (i as f32 + 1.3)).collect();
+            let dp2: Vec<f32> = (0..n).map(|i| i as f32 * 0.1 - 2.0).collect();
+            let ds =
+                |p: &[f32], dp: &[f32], d: f32| -> Vec<f32> { p.iter().zip(dp).map(|(&p, &x)| p * (x - d)).collect() };
+            let (ds_lo, ds_hi) = (ds(&p, &dp, 0.3), ds(&p2, &dp2, -1.1));
+            for with_hi in [true, false] {
+                let mut rows_want = vec![0u32; n];
+                narrow_row_pairs(&mut rows_want, &ds_lo, with_hi.then_some(&ds_hi[..]));
+                let (mut lo_want, mut hi_want) = (vec![0u32; n.div_ceil(2)], vec![0u32; n.div_ceil(2)]);
+                narrow_to_pairs(&mut lo_want, &ds_lo);
+                narrow_to_pairs(&mut hi_want, &ds_hi);
+                let mut rows = vec![u32::MAX; n + 1];
+                let (mut keys_lo, mut keys_hi) = (vec![u32::MAX; n.div_ceil(2) + 1], vec![u32::MAX; n.div_ceil(2) + 1]);
+                let hi = with_hi.then_some((&p2[..], &dp2[..], -1.1f32));
+                let keys_hi_dst = with_hi.then_some(&mut keys_hi[..]);
+                ds_to_pairs((&p, &dp, 0.3), hi, &mut rows, &mut keys_lo, keys_hi_dst);
+                assert_eq!(&rows[..n], &rows_want[..], "rows, n = {n}");
+                assert_eq!(rows[n], u32::MAX, "wrote past the row pairs, n = {n}");
+                assert_eq!(&keys_lo[..n.div_ceil(2)], &lo_want[..], "keys of lo, n = {n}");
+                assert_eq!(keys_lo[n.div_ceil(2)], u32::MAX, "wrote past the key pairs, n = {n}");
+                if with_hi {
+                    assert_eq!(&keys_hi[..n.div_ceil(2)], &hi_want[..], "keys of hi, n = {n}");
+                } else {
+                    assert!(keys_hi.iter().all(|&w| w == u32::MAX), "no hi row, nothing written");
+                }
+            }
         }
     }
 }

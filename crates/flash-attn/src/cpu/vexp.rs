@@ -26,15 +26,9 @@ pub fn row_max(row: &[f32]) -> f32 {
     row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
-/// `row[j] = e^(row[j] - m)` for every `j`; returns `Σ_j row[j]`.
-#[inline]
-pub fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
-    exp_scaled_sub_sum(row, 1.0, m)
-}
-
 /// `row[j] = e^(scale · row[j] - m)` for every `j`; returns `Σ_j row[j]`. On the AVX-512 path
 /// `scale · row[j] - m` is one fused multiply-subtract (one rounding; with `scale = 1` exactly
-/// the `row[j] - m` of [`exp_sub_sum`]), so the softmax scale can wait until here instead of
+/// `row[j] - m`), so the softmax scale can wait until here instead of
 /// taking its own pass over the score tile.
 #[inline]
 pub fn exp_scaled_sub_sum(row: &mut [f32], scale: f32, m: f32) -> f32 {
@@ -66,6 +60,38 @@ pub fn exp_scaled_sum_to_pairs(row: &mut [f32], scale: f32, m: f32, dst: &mut [B
     let sum = exp_scaled_sub_sum(row, scale, m);
     narrow_to_pairs(dst, row);
     sum
+}
+
+/// The backward pass's `P` for two query rows: `row[j] = e^(scale · row[j] - m)` for `lo` and
+/// `hi` (a row whose `m` is `-inf` sees no key and becomes zeros), kept in `f32` for `dS`, and
+/// rounded to `bf16` pairs along the rows into `dst` (`dst[c]` = `lo[c], hi[c]`, zero for a
+/// missing `hi`): the `A` operand of `dV += Pᵀ dO`, without a second pass over `P`. Bitwise the
+/// values of [`exp_scaled_sub_sum`] on each row followed by
+/// [`narrow_row_pairs`](super::pairs::narrow_row_pairs).
+pub fn exp_scaled_row_pairs(lo: (&mut [f32], f32), hi: Option<(&mut [f32], f32)>, scale: f32, dst: &mut [Bf16Pair]) {
+    let n = lo.0.len();
+    assert!(dst.len() >= n && hi.as_ref().is_none_or(|h| h.0.len() == n), "exp_scaled_row_pairs: lengths");
+    #[cfg(target_arch = "x86_64")]
+    if bf16_pairs_fast() {
+        // SAFETY: AVX-512F and AVX-512 BF16 are available (checked); lengths checked above.
+        return unsafe { x86::exp_scaled_row_pairs(lo, hi, scale, dst) };
+    }
+    let exp_row = |(row, m): (&mut [f32], f32)| {
+        if m == f32::NEG_INFINITY {
+            row.fill(0.0);
+        } else {
+            exp_scaled_sub_sum(row, scale, m);
+        }
+    };
+    let (lo_row, lo_m) = lo;
+    exp_row((&mut *lo_row, lo_m));
+    match hi {
+        Some((hi_row, hi_m)) => {
+            exp_row((&mut *hi_row, hi_m));
+            super::pairs::narrow_row_pairs(dst, lo_row, Some(hi_row));
+        }
+        None => super::pairs::narrow_row_pairs(dst, lo_row, None),
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -162,6 +188,65 @@ mod x86 {
         _mm512_reduce_add_ps(sum)
     }
 
+    /// # Safety
+    /// AVX-512F and AVX-512 BF16 available; `dst` at least as long as the rows, `hi` as long as
+    /// `lo`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn exp_scaled_row_pairs(
+        lo: (&mut [f32], f32),
+        hi: Option<(&mut [f32], f32)>,
+        scale: f32,
+        dst: &mut [u32],
+    ) {
+        let n = lo.0.len();
+        let sv = _mm512_set1_ps(scale);
+        let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+        // A row that sees no key (m = -inf) is all zeros: its lanes are masked off. A missing
+        // `hi` reads and writes the `lo` row's memory with every lane masked off.
+        let live = |m: f32| if m == f32::NEG_INFINITY { 0 } else { 0xFFFF };
+        let (lp, lm, lo_live) = (lo.0.as_mut_ptr(), _mm512_set1_ps(lo.1), live(lo.1));
+        let (hp, hm, hi_live, hi_store) = match hi {
+            Some((row, m)) => (row.as_mut_ptr(), _mm512_set1_ps(m), live(m), 0xFFFF),
+            None => (lp, _mm512_setzero_ps(), 0, 0),
+        };
+        let dp = dst.as_mut_ptr();
+        let mut j = 0;
+        while j < n {
+            let w = (n - j).min(32);
+            let (k0, k1) = (lanes(w), lanes(w.saturating_sub(16)));
+            // SAFETY: loads and stores masked to the `w` valid columns from `j` of rows as long
+            // as `n` (the second half's address may lie past the row when `k1 = 0`, and is then
+            // never touched); `dst` holds `n` words. Masked-off lanes are exact zeros.
+            unsafe {
+                let p = |ptr: *mut f32, m: __m512, k: __mmask16, off: usize| {
+                    let x = _mm512_maskz_loadu_ps(k, ptr.wrapping_add(j + off));
+                    _mm512_maskz_mov_ps(k, exp2(_mm512_mul_ps(_mm512_fmsub_ps(x, sv, m), log2e)))
+                };
+                let (l0, l1) = (p(lp, lm, k0 & lo_live, 0), p(lp, lm, k1 & lo_live, 16));
+                let (h0, h1) = (p(hp, hm, k0 & hi_live, 0), p(hp, hm, k1 & hi_live, 16));
+                _mm512_mask_storeu_ps(lp.add(j), k0, l0);
+                _mm512_mask_storeu_ps(lp.wrapping_add(j + 16), k1, l1);
+                _mm512_mask_storeu_ps(hp.add(j), k0 & hi_store, h0);
+                _mm512_mask_storeu_ps(hp.wrapping_add(j + 16), k1 & hi_store, h1);
+                // Each row's 32 values as bf16 (low 16 in the low 256 bits), then word c =
+                // lo[c] | hi[c] << 16.
+                let bl: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(l1, l0));
+                let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h1, h0));
+                let word = |half_l: __m256i, half_h: __m256i| {
+                    _mm512_or_si512(
+                        _mm512_cvtepu16_epi32(half_l),
+                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half_h)),
+                    )
+                };
+                let w0 = word(_mm512_castsi512_si256(bl), _mm512_castsi512_si256(bh));
+                let w1 = word(_mm512_extracti64x4_epi64::<1>(bl), _mm512_extracti64x4_epi64::<1>(bh));
+                _mm512_mask_storeu_epi32(dp.add(j).cast(), k0, w0);
+                _mm512_mask_storeu_epi32(dp.wrapping_add(j + 16).cast(), k1, w1);
+            }
+            j += w;
+        }
+    }
+
     /// The lanes `0..k` of 16.
     fn lanes(k: usize) -> __mmask16 {
         if k >= 16 {
@@ -236,7 +321,7 @@ mod tests {
         }
         let xs: Vec<f32> = (0..200_000).map(|i| -87.0 + 175.0 * i as f32 / 200_000.0).collect();
         let mut got = xs.clone();
-        exp_sub_sum(&mut got, 0.0);
+        exp_scaled_sub_sum(&mut got, 1.0, 0.0);
         let worst = xs
             .iter()
             .zip(&got)
@@ -253,7 +338,7 @@ mod tests {
     #[test]
     fn exp2_of_minus_infinity_is_zero_and_nan_propagates() {
         let mut row = [f32::NEG_INFINITY, 0.0, f32::NAN, -1.0, f32::NEG_INFINITY];
-        let sum = exp_sub_sum(&mut row, 0.0);
+        let sum = exp_scaled_sub_sum(&mut row, 1.0, 0.0);
         assert_eq!(row[0], 0.0);
         assert_eq!(row[4], 0.0);
         assert!(row[2].is_nan() && sum.is_nan());
@@ -283,6 +368,44 @@ mod tests {
             assert_eq!(sum.to_bits(), sum_two.to_bits(), "n = {n}");
             assert_eq!(&got[..n.div_ceil(2)], &want[..], "n = {n}");
             assert_eq!(got[n.div_ceil(2)], u32::MAX, "wrote past the pairs, n = {n}");
+        }
+    }
+
+    #[test]
+    fn fused_row_pairs_equal_exp_then_narrow_rows() {
+        for n in [1usize, 15, 16, 17, 32, 33, 77, 128] {
+            let make = |k: f32| -> Vec<f32> {
+                (0..n).map(|i| if i % 5 == 2 { f32::NEG_INFINITY } else { (i as f32 * k).sin() * 7.0 }).collect()
+            };
+            let (scale, m_lo) = (0.17f32, 0.5f32);
+            for m_hi in [Some(-0.25f32), Some(f32::NEG_INFINITY), None] {
+                let (mut lo_want, mut hi_want) = (make(0.37), make(0.71));
+                exp_scaled_sub_sum(&mut lo_want, scale, m_lo);
+                match m_hi {
+                    Some(m) if m == f32::NEG_INFINITY => hi_want.fill(0.0),
+                    Some(m) => {
+                        exp_scaled_sub_sum(&mut hi_want, scale, m);
+                    }
+                    None => {}
+                }
+                let mut want = vec![0u32; n];
+                super::super::pairs::narrow_row_pairs(&mut want, &lo_want, m_hi.map(|_| &hi_want[..]));
+                let (mut lo, mut hi) = (make(0.37), make(0.71));
+                let mut got = vec![u32::MAX; n + 1];
+                exp_scaled_row_pairs((&mut lo, m_lo), m_hi.map(|m| (&mut hi[..], m)), scale, &mut got);
+                assert_eq!(&got[..n], &want[..], "n = {n}, m_hi = {m_hi:?}");
+                assert_eq!(got[n], u32::MAX, "wrote past the row, n = {n}");
+                assert_eq!(
+                    lo.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    lo_want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                );
+                if m_hi.is_some() {
+                    assert_eq!(
+                        hi.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        hi_want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                    );
+                }
+            }
         }
     }
 }
