@@ -94,10 +94,11 @@ def wrap(lines, width=8):
 
 def ss(n):
     acc = n // 2
-    a, b, sc = acc, acc + 1, acc + 2
+    a, b, sc, ta, tb = acc, acc + 1, acc + 2, acc + 3, acc + 4
     return f"""
-// D[64 x {n}] (+)= A[64 x 16] · B[16 x {n}]: A and B from shared memory (descriptors, both
-// K-major); D is scaled by 0 (overwritten) when scale_d == 0.
+// D[64 x {n}] (+)= A[64 x 16] · B[16 x {n}]: A and B from shared memory (descriptors; K-major, or
+// MN-major where TA / TB is 1 and the instruction transposes); D is overwritten when scale_d == 0.
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_n{n}(FragC (&d)[{n // 8}], u64 desc_a, u64 desc_b, int scale_d) {{
     asm volatile(
         "{{\\n"
@@ -105,10 +106,10 @@ __device__ __forceinline__ void wgmma_ss_n{n}(FragC (&d)[{n // 8}], u64 desc_a, 
         "setp.ne.b32 p, %{sc}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32." FA_AB "." FA_AB " "
         "{{{regs(acc)}}}, "
-        "%{a}, %{b}, p, 1, 1, 0, 0;\\n"
+        "%{a}, %{b}, p, 1, 1, %{ta}, %{tb};\\n"
         "}}\\n"
         : {wrap(acc_constraints(n)).strip()}
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
 }}
 """
 
@@ -135,16 +136,17 @@ __device__ __forceinline__ void wgmma_rs_n{n}(FragC (&d)[{n // 8}], const FragA&
 
 
 def dispatch():
-    s = "\n// Width-generic entry points.\ntemplate <int N>\n__device__ __forceinline__ void wgmma_ss(FragC (&d)[N / 8], u64 desc_a, u64 desc_b, int scale_d) {\n"
+    s = "\n// Width-generic entry points.\ntemplate <int N, int TA = 0, int TB = 0>\n"
+    s += "__device__ __forceinline__ void wgmma_ss(FragC (&d)[N / 8], u64 desc_a, u64 desc_b, int scale_d) {\n"
     for i, n in enumerate(NS):
         kw = "if constexpr" if i == 0 else "else if constexpr"
-        s += f"    {kw} (N == {n}) wgmma_ss_n{n}(d, desc_a, desc_b, scale_d);\n"
-    s += '    else static_assert(N == 64, "wgmma_ss: unsupported N");\n}\n'
+        s += f"    {kw} (N == {n}) wgmma_ss_n{n}<TA, TB>(d, desc_a, desc_b, scale_d);\n"
+    s += f'    else static_assert(N == {NS[0]}, "wgmma_ss: unsupported N");\n}}\n'
     s += "template <int N>\n__device__ __forceinline__ void wgmma_rs(FragC (&d)[N / 8], const FragA& a, u64 desc_b) {\n"
     for i, n in enumerate(NS):
         kw = "if constexpr" if i == 0 else "else if constexpr"
         s += f"    {kw} (N == {n}) wgmma_rs_n{n}(d, a, desc_b);\n"
-    s += '    else static_assert(N == 64, "wgmma_rs: unsupported N");\n}\n'
+    s += f'    else static_assert(N == {NS[0]}, "wgmma_rs: unsupported N");\n}}\n'
     return s
 
 

@@ -3,7 +3,7 @@
 //! ```text
 //! cuda_bench compile [sm_80,sm_90a]        compile every variant, print registers / spills
 //! cuda_bench check [CASES] [SEED]          random cases vs the f64 oracle (numerics contract)
-//! cuda_bench bench [--variants all] [--dtypes bf16,f16] [--causal both] [--d 64,128] [--reps N]
+//! cuda_bench bench [--variants all|hopper] [--dtypes bf16,f16] [--causal both] [--d 64,128] [--reps N]
 //!                  [--pass fwd|bwd] [--deterministic]
 //!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048; `bwd`
 //!                                          times the backward pass alone (FLOPs 2.5 × forward)
@@ -249,7 +249,8 @@ fn bench(args: &[String]) -> Result<()> {
     let seqs: Vec<usize> =
         arg(args, "--seqs", "512,1024,2048,4096,8192,16384").split(',').filter_map(|s| s.parse().ok()).collect();
     let reps: usize = arg(args, "--reps", "20").parse().unwrap_or(20);
-    let all_variants = arg(args, "--variants", "default") == "all";
+    let which = arg(args, "--variants", "default");
+    let all_variants = which == "all" || which == "hopper";
     let bwd = arg(args, "--pass", "fwd") == "bwd";
     let deterministic = args.iter().any(|a| a == "--deterministic");
     for dt in dtypes.split(',') {
@@ -259,7 +260,7 @@ fn bench(args: &[String]) -> Result<()> {
                 let arch = cuda::default_device()?.arch().clone();
                 Variant::all()
                     .into_iter()
-                    .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch))
+                    .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch) && (which == "all" || v.wgmma))
                     .map(Some)
                     .collect()
             } else {

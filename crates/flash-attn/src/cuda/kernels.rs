@@ -136,20 +136,29 @@ impl Variant {
     /// The variant for a problem with dropout, softcap, ALiBi or a block mask on `arch`.
     pub fn extras_on(arch: &Arch, dtype: DType, d: usize) -> Option<Variant> {
         if arch.has_wgmma() {
-            Variant::hopper_for(dtype, d).map(|v| v.with_extras(true))
+            Variant::hopper_extras_for(dtype, d)
         } else {
             Variant::extras_for(dtype, d)
         }
     }
 
-    /// The Hopper (sm_90a) variant for `dtype` and tile width `d`: two warpgroups (128 query
-    /// rows), 128 keys per tile (64 at d = 256, where O takes 128 registers a thread).
+    /// The Hopper (sm_90a) variant for `dtype` and tile width `d`, the fastest measured on an
+    /// H100 (docs/cuda-notes.md, Hopper v2): two warpgroups (128 query rows); 64 keys per tile at
+    /// d = 64 (122 registers: two blocks per multiprocessor) and d = 256 (O alone takes 128
+    /// registers a thread), 128 at d = 128.
     pub fn hopper_for(dtype: DType, d: usize) -> Option<Variant> {
         if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
             return None;
         }
-        let bc = if d == 256 { 64 } else { 128 };
+        let bc = if d == 128 { 128 } else { 64 };
         Some(Variant { dtype, d, mt: 1, bc, warps: 8, extras: false, wgmma: true })
+    }
+
+    /// The Hopper variant with the extras compiled in: as [`Variant::hopper_for`], but 128 keys
+    /// per tile at d = 64 (with the extras, 64 keys would not fit two blocks' registers).
+    pub fn hopper_extras_for(dtype: DType, d: usize) -> Option<Variant> {
+        let v = Variant::hopper_for(dtype, d)?.with_extras(true);
+        Some(if d == 64 { Variant { bc: 128, ..v } } else { v })
     }
 
     /// The mma.sync variant (sm_80 and up) used for `dtype` and tile width `d` (one of [`HEAD_DIMS`]), if supported: the
@@ -200,9 +209,13 @@ impl Variant {
                 if let Some(x) = Variant::extras_for(dtype, d) {
                     v.push(x);
                 }
-                if let Some(h) = Variant::hopper_for(dtype, d) {
+                if let (Some(h), Some(x)) = (Variant::hopper_for(dtype, d), Variant::hopper_extras_for(dtype, d)) {
                     v.push(h);
-                    v.push(h.with_extras(true));
+                    v.push(x);
+                    // The other key-tile width at d = 64 and 128 (measured slower; kept for bench).
+                    if d <= 128 {
+                        v.push(Variant { bc: 192 - h.bc, ..h });
+                    }
                 }
             }
         }

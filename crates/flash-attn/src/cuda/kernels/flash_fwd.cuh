@@ -369,11 +369,15 @@ struct FlashFwdSm90 {
     static constexpr int DT = D / 8;
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
-    static constexpr int STAGE_BYTES = 2 * KV_BYTES;  // K then V of one key tile
-    static constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGE_BYTES;
+    static constexpr int SMEM_BYTES = Q_BYTES + 4 * KV_BYTES;  // Q, two K and two V buffers
+    // S of the next tile and P·V of the previous one in flight together (and the softmax under
+    // P·V) needs the score, probability and output registers at once: at d >= 128 with the
+    // extras compiled in that spills, so those variants run the two products one after the other.
+    static constexpr bool OVERLAP = !(FA_EXTRAS != 0 && D >= 128);
 
-    // S = Q Kᵀ for this warpgroup's 64 rows (`sQw`: its first row), unscaled.
-    static __device__ __forceinline__ void scores(FragC (&s)[1][NT], u32 sQw, u32 sK) {
+    // Issues S = Q Kᵀ for this warpgroup's 64 rows (`sQw`: its first row), unscaled, as one
+    // wgmma group; the registers of s are not to be touched before the group is waited for.
+    static __device__ __forceinline__ void issue_scores(FragC (&s)[1][NT], u32 sQw, u32 sK) {
         fence_operands(s[0]);
         wgmma_fence();
 #pragma unroll
@@ -383,25 +387,25 @@ struct FlashFwdSm90 {
             wgmma_ss<BC>(s[0], da, db, kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(s[0]);
     }
 
-    // O += P V for this warpgroup's rows, P from the probability registers.
-    static __device__ __forceinline__ void accumulate_pv(FragC (&o)[1][DT], const FragC (&p)[1][NT], u32 sV) {
-        FragA pa[BC / 16];
+    // Issues O += P V for this warpgroup's rows as one wgmma group, P from registers (`pa`, the
+    // probabilities in the A layout) and V transposed by the instruction.
+    static __device__ __forceinline__ void issue_pv(FragC (&o)[1][DT], FragA (&pa)[BC / 16], u32 sV) {
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            pa[kk] = scores_to_a<BF16>(p[0][2 * kk], p[0][2 * kk + 1]);
-            fence_operands(pa[kk]);
-        }
+        for (int kk = 0; kk < BC / 16; ++kk) fence_operands(pa[kk]);
         fence_operands(o[0]);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<D>(o[0], pa[kk], gmma_desc(sV + (u32)(kk * 16 * 128), BC * 128, 1024));
         wgmma_commit();
-        wgmma_wait<0>();
+    }
+
+    // After the P·V group completed: its registers are free again.
+    static __device__ __forceinline__ void pv_done(FragC (&o)[1][DT], FragA (&pa)[BC / 16]) {
         fence_operands(o[0]);
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) fence_operands(pa[kk]);
     }
 
     static __device__ __forceinline__ void run(const FwdParams& p, char* smem) {
@@ -468,55 +472,132 @@ struct FlashFwdSm90 {
             }
             return n;
         };
-        auto load_kv = [&](int n, u32 stage) {
+        auto load_tile = [&](int n, u32 tile, const u16* g, long long row_stride) {
             const int c = n * BC;
-            load_tile_gmma<BC, D, THREADS>(stage, gK + (long long)c * p.k_row, p.k_row, sk - c, p.d, tid);
-            load_tile_gmma<BC, D, THREADS>(stage + KV_BYTES, gV + (long long)c * p.v_row, p.v_row, sk - c, p.d, tid);
+            load_tile_gmma<BC, D, THREADS>(tile, g + (long long)c * row_stride, row_stride, sk - c, p.d, tid);
+        };
+        // K and V have two buffers each. Tile t_j's K goes to buffer j & 1 one iteration ahead
+        // (S_j needs it first); its V to buffer j & 1 in iteration j itself, since P_j·V_j is
+        // issued in iteration j + 1, under S_{j+1} (FlashAttention-3's intra-warpgroup overlap:
+        // the softmax of tile j + 1 runs while the tensor cores do P_j·V_j).
+        const u32 sK0 = sKV, sV0 = sKV + 2 * KV_BYTES;
+
+        // Scores of tile n (columns col0..) to probabilities, in the registers they arrived in;
+        // `correction` for O as OnlineSoftmax::update_p.
+        auto probabilities = [&](FragC (&s)[1][NT], int col0, bool full_blocks, float (&correction)[1][2]) {
+            if (modded) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][nt].x[e] *= p.mod.scale;
+                Base::apply_mod(s, p.mod, slope, sk - sq, row0 + warp_row, col0, lane);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][nt].x[e] *= p.scale_log2;
+            }
+            if (!full_blocks || !vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                Base::apply_mask(s, vis, plane, p.block, row0 + warp_row, col0, lane);
+            softmax.update_p(s, correction);
+            if (FA_EXTRAS != 0 && p.dropout.enabled)
+                Base::apply_dropout(s, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0, lane);
+        };
+        // Waits for the copies in flight, then starts the next ones; `j` counts processed tiles.
+        // With OVERLAP: K of the next tile and V of this one (P_j·V_j is issued in iteration
+        // j + 1); without: K and V of the next tile (as FlashFwd).
+        auto advance = [&](int n, int j, int& next, bool& next_all_on) {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();  // this iteration's tiles landed; every warpgroup is done with the
+                              // buffers refilled now (read two iterations ago, or one for K)
+            next = next_tile(n - 1, next_all_on);
+            const u32 ahead = (u32)(((j + 1) & 1) * KV_BYTES);
+            if (next >= n_begin) {
+                load_tile(next, sK0 + ahead, gK, p.k_row);
+                if (!OVERLAP) load_tile(next, sV0 + ahead, gV, p.v_row);
+            }
+            if (OVERLAP) load_tile(n, sV0 + (u32)((j & 1) * KV_BYTES), gV, p.v_row);
+            cp_async_commit();
         };
 
         bool all_on;
         int n = next_tile(n_end - 1, all_on);
         if (n >= n_begin) {
             load_tile_gmma<BR, D, THREADS>(sQ, gQ, p.q_row, rows_valid, p.d, tid);
-            load_kv(n, sKV);
+            load_tile(n, sK0, gK, p.k_row);
+            if (!OVERLAP) load_tile(n, sV0, gV, p.v_row);
             cp_async_commit();
-            int stage = 0;
+            FragA pa[BC / 16];
             // Key tiles last to first, as FlashFwd.
-            while (n >= n_begin) {
-                const int col0 = n * BC;
-                const u32 sK = sKV + (u32)(stage * STAGE_BYTES), sV = sK + KV_BYTES;
+            if constexpr (OVERLAP) {
+                // The first tile alone: no P·V to overlap yet.
+                {
+                    int next;
+                    bool next_all_on;
+                    advance(n, 0, next, next_all_on);
+                    FragC s[1][NT];
+                    issue_scores(s, sQw, sK0);
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    float correction[1][2];
+                    probabilities(s, n * BC, all_on, correction);  // O is still 0: no rescale
+#pragma unroll
+                    for (int kk = 0; kk < BC / 16; ++kk) pa[kk] = scores_to_a<BF16>(s[0][2 * kk], s[0][2 * kk + 1]);
+                    n = next;
+                    all_on = next_all_on;
+                }
+                int j = 1;
+                // Then S_j and P_{j-1}·V_{j-1} in flight together; the softmax of tile j waits for
+                // S_j only, O's rescale for both. Straight-line code between issue and wait, so
+                // that ptxas sees which registers are in flight and keeps the wgmmas pipelined.
+                while (n >= n_begin) {
+                    int next;
+                    bool next_all_on;
+                    advance(n, j, next, next_all_on);
+                    FragC s[1][NT];
+                    issue_scores(s, sQw, sK0 + (u32)((j & 1) * KV_BYTES));
+                    issue_pv(o, pa, sV0 + (u32)(((j - 1) & 1) * KV_BYTES));
+                    wgmma_wait<1>();
+                    fence_operands(s[0]);
+                    float correction[1][2];
+                    probabilities(s, n * BC, all_on, correction);
+                    wgmma_wait<0>();
+                    pv_done(o, pa);
+                    OnlineSoftmax<1>::rescale(o, correction);
+#pragma unroll
+                    for (int kk = 0; kk < BC / 16; ++kk) pa[kk] = scores_to_a<BF16>(s[0][2 * kk], s[0][2 * kk + 1]);
+                    n = next;
+                    all_on = next_all_on;
+                    ++j;
+                }
+                // The last tile's P·V.
                 cp_async_wait<0>();
                 fence_proxy_async();
-                __syncthreads();  // tile n landed; every warpgroup is done with the other stage
-                bool next_all_on;
-                const int next = next_tile(n - 1, next_all_on);
-                if (next >= n_begin) load_kv(next, sKV + (u32)((stage ^ 1) * STAGE_BYTES));
-                cp_async_commit();
-
-                FragC s[1][NT];
-                scores(s, sQw, sK);
-                if (modded) {
+                __syncthreads();
+                issue_pv(o, pa, sV0 + (u32)(((j - 1) & 1) * KV_BYTES));
+                wgmma_wait<0>();
+                pv_done(o, pa);
+            } else {
+                for (int j = 0; n >= n_begin; ++j) {
+                    int next;
+                    bool next_all_on;
+                    advance(n, j, next, next_all_on);
+                    FragC s[1][NT];
+                    issue_scores(s, sQw, sK0 + (u32)((j & 1) * KV_BYTES));
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    float correction[1][2];
+                    probabilities(s, n * BC, all_on, correction);
+                    OnlineSoftmax<1>::rescale(o, correction);
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) s[0][nt].x[e] *= p.mod.scale;
-                    Base::apply_mod(s, p.mod, slope, sk - sq, row0 + warp_row, col0, lane);
-                } else {
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) s[0][nt].x[e] *= p.scale_log2;
+                    for (int kk = 0; kk < BC / 16; ++kk) pa[kk] = scores_to_a<BF16>(s[0][2 * kk], s[0][2 * kk + 1]);
+                    issue_pv(o, pa, sV0 + (u32)((j & 1) * KV_BYTES));
+                    wgmma_wait<0>();
+                    pv_done(o, pa);
+                    n = next;
+                    all_on = next_all_on;
                 }
-                if (!all_on || !vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
-                    Base::apply_mask(s, vis, plane, p.block, row0 + warp_row, col0, lane);
-
-                softmax.update(s, o);
-                if (FA_EXTRAS != 0 && p.dropout.enabled)
-                    Base::apply_dropout(s, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0, lane);
-                accumulate_pv(o, s, sV);
-                n = next;
-                all_on = next_all_on;
-                stage ^= 1;
             }
         }
 
@@ -529,7 +610,10 @@ struct FlashFwdSm90 {
 #endif  // FA_WGMMA
 
 #if FA_WGMMA
-extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_fwd(const FwdParams p) {
+// Two blocks per multiprocessor where a block's tiles are small enough (d 64 with 64 keys per
+// tile: 122 registers a thread, 49 KiB of shared memory), else one with up to 255 registers.
+#define FA_MIN_BLOCKS ((FA_D * FA_BC <= 64 * 64) ? 2 : 1)
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, FA_MIN_BLOCKS) flash_fwd(const FwdParams p) {
     extern __shared__ __align__(128) char smem[];
     // The launcher adds 1 KiB so that the tiles can start on the swizzle's 1024-byte period.
     const u32 base = smem_addr(smem);

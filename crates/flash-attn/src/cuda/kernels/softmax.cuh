@@ -20,9 +20,10 @@ struct OnlineSoftmax {
             }
     }
 
-    // Turns the score tile s into probabilities in place and rescales the output accumulator o.
-    template <int NT, int DT>
-    __device__ __forceinline__ void update(FragC (&s)[MT][NT], FragC (&o)[MT][DT]) {
+    // Turns the score tile s into probabilities in place; `correction` receives the factor the
+    // output accumulator must be multiplied by (exp2(old max - new max)) before P·V is added.
+    template <int NT>
+    __device__ __forceinline__ void update_p(FragC (&s)[MT][NT], float (&correction)[MT][2]) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -34,7 +35,7 @@ struct OnlineSoftmax {
                 // A row with nothing visible yet keeps max = -inf; subtracting 0 instead keeps
                 // exp2(-inf) = 0 rather than NaN.
                 float base = (m == -FA_INF) ? 0.f : m;
-                float correction = fast_exp2(row_max[mt][r] - base);
+                float corr = fast_exp2(row_max[mt][r] - base);
                 row_max[mt][r] = m;
                 float sum = 0.f;
 #pragma unroll
@@ -45,13 +46,31 @@ struct OnlineSoftmax {
                     s[mt][nt].x[2 * r + 1] = p1;
                     sum += p0 + p1;
                 }
-                row_sum[mt][r] = row_sum[mt][r] * correction + sum;
+                row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+                correction[mt][r] = corr;
+            }
+    }
+
+    // o *= correction, row by row.
+    template <int DT>
+    static __device__ __forceinline__ void rescale(FragC (&o)[MT][DT], const float (&correction)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
-                    o[mt][dt].x[2 * r] *= correction;
-                    o[mt][dt].x[2 * r + 1] *= correction;
+                    o[mt][dt].x[2 * r] *= correction[mt][r];
+                    o[mt][dt].x[2 * r + 1] *= correction[mt][r];
                 }
-            }
+    }
+
+    // Turns the score tile s into probabilities in place and rescales the output accumulator o.
+    template <int NT, int DT>
+    __device__ __forceinline__ void update(FragC (&s)[MT][NT], FragC (&o)[MT][DT]) {
+        float correction[MT][2];
+        update_p(s, correction);
+        rescale(o, correction);
     }
 
     // Final normalisation (Algorithm 1 line 12): o /= sum, and each row's natural-log lse.

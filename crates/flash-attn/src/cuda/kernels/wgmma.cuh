@@ -58,8 +58,9 @@ __device__ __forceinline__ u64 gmma_desc(u32 addr, u32 lbo, u32 sbo) {
     return d;
 }
 
-// D[64 x 64] (+)= A[64 x 16] · B[16 x 64]: A and B from shared memory (descriptors, both
-// K-major); D is scaled by 0 (overwritten) when scale_d == 0.
+// D[64 x 64] (+)= A[64 x 16] · B[16 x 64]: A and B from shared memory (descriptors; K-major, or
+// MN-major where TA / TB is 1 and the instruction transposes); D is overwritten when scale_d == 0.
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_n64(FragC (&d)[8], u64 desc_a, u64 desc_b, int scale_d) {
     asm volatile(
         "{\n"
@@ -67,13 +68,13 @@ __device__ __forceinline__ void wgmma_ss_n64(FragC (&d)[8], u64 desc_a, u64 desc
         "setp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." FA_AB "." FA_AB " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n"
+        "%32, %33, p, 1, 1, %35, %36;\n"
         "}\n"
         : "+f"(d[0].x[0]), "+f"(d[0].x[1]), "+f"(d[0].x[2]), "+f"(d[0].x[3]), "+f"(d[1].x[0]), "+f"(d[1].x[1]), "+f"(d[1].x[2]), "+f"(d[1].x[3]),
           "+f"(d[2].x[0]), "+f"(d[2].x[1]), "+f"(d[2].x[2]), "+f"(d[2].x[3]), "+f"(d[3].x[0]), "+f"(d[3].x[1]), "+f"(d[3].x[2]), "+f"(d[3].x[3]),
           "+f"(d[4].x[0]), "+f"(d[4].x[1]), "+f"(d[4].x[2]), "+f"(d[4].x[3]), "+f"(d[5].x[0]), "+f"(d[5].x[1]), "+f"(d[5].x[2]), "+f"(d[5].x[3]),
           "+f"(d[6].x[0]), "+f"(d[6].x[1]), "+f"(d[6].x[2]), "+f"(d[6].x[3]), "+f"(d[7].x[0]), "+f"(d[7].x[1]), "+f"(d[7].x[2]), "+f"(d[7].x[3])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
 // D[64 x 64] += A[64 x 16] · B[16 x 64]: A from registers (a FragA per warp), B from shared
@@ -94,8 +95,9 @@ __device__ __forceinline__ void wgmma_rs_n64(FragC (&d)[8], const FragA& a, u64 
         : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "l"(desc_b));
 }
 
-// D[64 x 128] (+)= A[64 x 16] · B[16 x 128]: A and B from shared memory (descriptors, both
-// K-major); D is scaled by 0 (overwritten) when scale_d == 0.
+// D[64 x 128] (+)= A[64 x 16] · B[16 x 128]: A and B from shared memory (descriptors; K-major, or
+// MN-major where TA / TB is 1 and the instruction transposes); D is overwritten when scale_d == 0.
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_n128(FragC (&d)[16], u64 desc_a, u64 desc_b, int scale_d) {
     asm volatile(
         "{\n"
@@ -103,7 +105,7 @@ __device__ __forceinline__ void wgmma_ss_n128(FragC (&d)[16], u64 desc_a, u64 de
         "setp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." FA_AB "." FA_AB " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n"
+        "%64, %65, p, 1, 1, %67, %68;\n"
         "}\n"
         : "+f"(d[0].x[0]), "+f"(d[0].x[1]), "+f"(d[0].x[2]), "+f"(d[0].x[3]), "+f"(d[1].x[0]), "+f"(d[1].x[1]), "+f"(d[1].x[2]), "+f"(d[1].x[3]),
           "+f"(d[2].x[0]), "+f"(d[2].x[1]), "+f"(d[2].x[2]), "+f"(d[2].x[3]), "+f"(d[3].x[0]), "+f"(d[3].x[1]), "+f"(d[3].x[2]), "+f"(d[3].x[3]),
@@ -113,7 +115,7 @@ __device__ __forceinline__ void wgmma_ss_n128(FragC (&d)[16], u64 desc_a, u64 de
           "+f"(d[10].x[0]), "+f"(d[10].x[1]), "+f"(d[10].x[2]), "+f"(d[10].x[3]), "+f"(d[11].x[0]), "+f"(d[11].x[1]), "+f"(d[11].x[2]), "+f"(d[11].x[3]),
           "+f"(d[12].x[0]), "+f"(d[12].x[1]), "+f"(d[12].x[2]), "+f"(d[12].x[3]), "+f"(d[13].x[0]), "+f"(d[13].x[1]), "+f"(d[13].x[2]), "+f"(d[13].x[3]),
           "+f"(d[14].x[0]), "+f"(d[14].x[1]), "+f"(d[14].x[2]), "+f"(d[14].x[3]), "+f"(d[15].x[0]), "+f"(d[15].x[1]), "+f"(d[15].x[2]), "+f"(d[15].x[3])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
 // D[64 x 128] += A[64 x 16] · B[16 x 128]: A from registers (a FragA per warp), B from shared
@@ -138,8 +140,9 @@ __device__ __forceinline__ void wgmma_rs_n128(FragC (&d)[16], const FragA& a, u6
         : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "l"(desc_b));
 }
 
-// D[64 x 256] (+)= A[64 x 16] · B[16 x 256]: A and B from shared memory (descriptors, both
-// K-major); D is scaled by 0 (overwritten) when scale_d == 0.
+// D[64 x 256] (+)= A[64 x 16] · B[16 x 256]: A and B from shared memory (descriptors; K-major, or
+// MN-major where TA / TB is 1 and the instruction transposes); D is overwritten when scale_d == 0.
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_n256(FragC (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
     asm volatile(
         "{\n"
@@ -147,7 +150,7 @@ __device__ __forceinline__ void wgmma_ss_n256(FragC (&d)[32], u64 desc_a, u64 de
         "setp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32." FA_AB "." FA_AB " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, 0, 0;\n"
+        "%128, %129, p, 1, 1, %131, %132;\n"
         "}\n"
         : "+f"(d[0].x[0]), "+f"(d[0].x[1]), "+f"(d[0].x[2]), "+f"(d[0].x[3]), "+f"(d[1].x[0]), "+f"(d[1].x[1]), "+f"(d[1].x[2]), "+f"(d[1].x[3]),
           "+f"(d[2].x[0]), "+f"(d[2].x[1]), "+f"(d[2].x[2]), "+f"(d[2].x[3]), "+f"(d[3].x[0]), "+f"(d[3].x[1]), "+f"(d[3].x[2]), "+f"(d[3].x[3]),
@@ -165,7 +168,7 @@ __device__ __forceinline__ void wgmma_ss_n256(FragC (&d)[32], u64 desc_a, u64 de
           "+f"(d[26].x[0]), "+f"(d[26].x[1]), "+f"(d[26].x[2]), "+f"(d[26].x[3]), "+f"(d[27].x[0]), "+f"(d[27].x[1]), "+f"(d[27].x[2]), "+f"(d[27].x[3]),
           "+f"(d[28].x[0]), "+f"(d[28].x[1]), "+f"(d[28].x[2]), "+f"(d[28].x[3]), "+f"(d[29].x[0]), "+f"(d[29].x[1]), "+f"(d[29].x[2]), "+f"(d[29].x[3]),
           "+f"(d[30].x[0]), "+f"(d[30].x[1]), "+f"(d[30].x[2]), "+f"(d[30].x[3]), "+f"(d[31].x[0]), "+f"(d[31].x[1]), "+f"(d[31].x[2]), "+f"(d[31].x[3])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
 // D[64 x 256] += A[64 x 16] · B[16 x 256]: A from registers (a FragA per warp), B from shared
@@ -199,11 +202,11 @@ __device__ __forceinline__ void wgmma_rs_n256(FragC (&d)[32], const FragA& a, u6
 }
 
 // Width-generic entry points.
-template <int N>
+template <int N, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_ss(FragC (&d)[N / 8], u64 desc_a, u64 desc_b, int scale_d) {
-    if constexpr (N == 64) wgmma_ss_n64(d, desc_a, desc_b, scale_d);
-    else if constexpr (N == 128) wgmma_ss_n128(d, desc_a, desc_b, scale_d);
-    else if constexpr (N == 256) wgmma_ss_n256(d, desc_a, desc_b, scale_d);
+    if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, desc_a, desc_b, scale_d);
+    else if constexpr (N == 128) wgmma_ss_n128<TA, TB>(d, desc_a, desc_b, scale_d);
+    else if constexpr (N == 256) wgmma_ss_n256<TA, TB>(d, desc_a, desc_b, scale_d);
     else static_assert(N == 64, "wgmma_ss: unsupported N");
 }
 template <int N>
