@@ -35,7 +35,9 @@ pub(super) fn chunks(g: &Geometry<'_>, bc: usize) -> usize {
     MIN_UNITS.div_ceil(pairs).clamp(1, max_tiles)
 }
 
-/// Per-thread scratch of the backward loop: `O(Br·(d + dv) + Br·Bc + Bc·(d + dv))` floats.
+/// Per-thread scratch of the backward loop: `O(Br·(d + dv) + Br·Bc + Bc·(d + dv))` floats, and on
+/// the bf16 path the packed query tiles of a unit (at most
+/// [`ROW_CACHE_BUDGET`](super::blocking::ROW_CACHE_BUDGET) bytes).
 pub(super) struct Scratch {
     q: Vec<f32>,
     dout: Vec<f32>,
@@ -64,17 +66,61 @@ struct PairTiles {
     kt: Vec<Bf16Pair>,
     vt: Vec<Bf16Pair>,
     k_keys: Vec<Bf16Pair>,
-    q: Vec<Bf16Pair>,
-    dout: Vec<Bf16Pair>,
-    q_rows: Vec<Bf16Pair>,
-    dout_rows: Vec<Bf16Pair>,
+    /// `Q_i` and `dO_i`, packed once per unit.
+    rows: RowSlots,
     p_rows: Vec<Bf16Pair>,
     ds_rows: Vec<Bf16Pair>,
     ds_keys: Vec<Bf16Pair>,
 }
 
+/// `Q_i` and `dO_i` of the query tiles of a unit as the products take them — pairs along the head
+/// dims (`S = Q Kᵀ`, `dP = dO Vᵀ`) and along the rows (`dK += dSᵀ Q`, `dV += Pᵀ dO`) — packed the
+/// first time a unit meets the tile and reused for its other key tiles (a unit's loop runs over
+/// key tiles outside query tiles, so without it each query tile was packed once per key tile).
+/// One slot per (query head of the unit, query tile), up to a budget
+/// ([`ROW_CACHE_BUDGET`](super::blocking::ROW_CACHE_BUDGET) by default); tiles past it share a
+/// spare slot and are packed per key tile as before.
+struct RowSlots {
+    words: Vec<Bf16Pair>,
+    /// Whether cached slot `i` holds its tile for the current unit.
+    filled: Vec<bool>,
+    /// Words per slot: `[Q | dO | Q row pairs | dO row pairs]`.
+    slot_len: usize,
+    offsets: [usize; 4],
+}
+
+impl RowSlots {
+    fn new(g: &Geometry<'_>, t: Tiles, budget: usize) -> Self {
+        let (d, dv) = (g.d, g.dv);
+        let lens = [t.br * d.div_ceil(2), t.br * dv.div_ceil(2), t.br.div_ceil(2) * d, t.br.div_ceil(2) * dv];
+        let offsets = [0, lens[0], lens[0] + lens[1], lens[0] + lens[1] + lens[2]];
+        let slot_len = lens.iter().sum::<usize>();
+        let wanted = (g.hq / g.hk.max(1)) * g.max_sq.div_ceil(t.br.max(1));
+        let cached = wanted.min(budget / (4 * slot_len).max(1));
+        RowSlots { words: vec![0; (cached + 1) * slot_len], filled: vec![false; cached], slot_len, offsets }
+    }
+
+    /// The slot of tile `index` of the unit (its query head in the unit's group, then its query
+    /// tile) and whether it must be packed now.
+    fn claim(&mut self, index: usize) -> (usize, bool) {
+        match self.filled.get_mut(index) {
+            Some(filled) => (index, !std::mem::replace(filled, true)),
+            None => (self.filled.len(), true),
+        }
+    }
+
+    /// Array `which` (0 `Q`, 1 `dO`, 2 `Q` row pairs, 3 `dO` row pairs) of slot `slot`.
+    fn part(&self, slot: usize, which: usize) -> &[Bf16Pair] {
+        &self.words[slot * self.slot_len + self.offsets[which]..]
+    }
+
+    fn part_mut(&mut self, slot: usize, which: usize) -> &mut [Bf16Pair] {
+        &mut self.words[slot * self.slot_len + self.offsets[which]..]
+    }
+}
+
 impl Scratch {
-    pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool) -> Self {
+    pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool, row_budget: usize) -> Self {
         let (d, dv) = (g.d, g.dv);
         let f32_tile = |n: usize| if pairs { Vec::new() } else { vec![0.0; n] };
         let (dp, dvp, brp, bcp) = (d.div_ceil(2), dv.div_ceil(2), t.br.div_ceil(2), t.bc.div_ceil(2));
@@ -83,10 +129,7 @@ impl Scratch {
                 kt: vec![0; dp * t.bc],
                 vt: vec![0; dvp * t.bc],
                 k_keys: vec![0; bcp * d],
-                q: vec![0; t.br * dp],
-                dout: vec![0; t.br * dvp],
-                q_rows: vec![0; brp * d],
-                dout_rows: vec![0; brp * dv],
+                rows: RowSlots::new(g, t, row_budget),
                 p_rows: vec![0; brp * t.bc],
                 ds_rows: vec![0; brp * t.bc],
                 ds_keys: vec![0; t.br * bcp],
@@ -159,6 +202,10 @@ impl<T: Element> Context<'_, T> {
         let n_tiles = seq.sk.div_ceil(bc);
         let per_chunk = n_tiles.div_ceil(self.chunks).max(1);
         let group = g.hq / g.hk;
+        let n_qt = seq.sq.div_ceil(br);
+        if let Some(pt) = sc.pairs.as_mut() {
+            pt.rows.filled.fill(false);
+        }
         for jt in (chunk * per_chunk)..((chunk + 1) * per_chunk).min(n_tiles) {
             let cols = jt * bc..((jt + 1) * bc).min(seq.sk);
             let nc = cols.len();
@@ -175,10 +222,10 @@ impl<T: Element> Context<'_, T> {
             }
             sc.dk[..nc * d].fill(0.0);
             sc.dv[..nc * dv].fill(0.0);
-            for head in kv_head * group..(kv_head + 1) * group {
-                for it in 0..seq.sq.div_ceil(br) {
+            for (h, head) in (kv_head * group..(kv_head + 1) * group).enumerate() {
+                for it in 0..n_qt {
                     let rows = it * br..((it + 1) * br).min(seq.sq);
-                    self.tile(sc, seq, head, rows, cols.clone(), chunk);
+                    self.tile(sc, seq, head, rows, cols.clone(), (chunk, h * n_qt + it));
                 }
             }
             // dK_j = scale · Σ dSᵀ Q; dV_j = Σ P'ᵀ dO: write this tile's rows.
@@ -203,7 +250,7 @@ impl<T: Element> Context<'_, T> {
         head: usize,
         rows: std::ops::Range<usize>,
         cols: std::ops::Range<usize>,
-        chunk: usize,
+        (chunk, tile_index): (usize, usize),
     ) {
         let g = self.g;
         let vis = g.visibility(seq, head);
@@ -220,12 +267,16 @@ impl<T: Element> Context<'_, T> {
         // pairs along the head dims and along the rows.
         let mut ops = match (self.bf16, sc.pairs.take()) {
             (Some(bits), Some(mut pt)) => {
-                let (q0, dl) = (seq.q_start, self.dout_layout);
-                pack_rows(&mut pt.q, d.div_ceil(2), bits.q, g.q, seq, q0, rows.clone(), head, d);
-                pack_rows(&mut pt.dout, dv.div_ceil(2), bits.dout, dl, seq, q0, rows.clone(), head, dv);
-                pack_row_pairs(&mut pt.q_rows, d, bits.q, g.q, seq, q0, rows.clone(), head, d);
-                pack_row_pairs(&mut pt.dout_rows, dv, bits.dout, dl, seq, q0, rows.clone(), head, dv);
-                RowOperands::Pairs(pt)
+                let (slot, fresh) = pt.rows.claim(tile_index);
+                if fresh {
+                    let (q0, dl, r) = (seq.q_start, self.dout_layout, rows.clone());
+                    let rs = &mut pt.rows;
+                    pack_rows(rs.part_mut(slot, 0), d.div_ceil(2), bits.q, g.q, seq, q0, r.clone(), head, d);
+                    pack_rows(rs.part_mut(slot, 1), dv.div_ceil(2), bits.dout, dl, seq, q0, r.clone(), head, dv);
+                    pack_row_pairs(rs.part_mut(slot, 2), d, bits.q, g.q, seq, q0, r.clone(), head, d);
+                    pack_row_pairs(rs.part_mut(slot, 3), dv, bits.dout, dl, seq, q0, r, head, dv);
+                }
+                RowOperands::Pairs(pt, slot)
             }
             (_, pairs) => {
                 sc.pairs = pairs;
@@ -246,7 +297,9 @@ impl<T: Element> Context<'_, T> {
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
         let qk = match &ops {
             RowOperands::F32 { q, ldq, .. } => QkOperands::F32 { q, ldq: *ldq, kt: &sc.kt },
-            RowOperands::Pairs(pt) => QkOperands::Bf16Pairs { q: &pt.q, ldq: d.div_ceil(2), kt: &pt.kt },
+            RowOperands::Pairs(pt, slot) => {
+                QkOperands::Bf16Pairs { q: pt.rows.part(*slot, 0), ldq: d.div_ceil(2), kt: &pt.kt }
+            }
         };
         let exp_scale = smod.deferrable_scale();
         score_tile(&mut sc.s, bc, (qk, exp_scale.is_some()), d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
@@ -254,7 +307,7 @@ impl<T: Element> Context<'_, T> {
         match &mut ops {
             // bf16 without dropout: P rounded to pairs along the rows (dV's operand) in the same
             // pass, two rows at a time.
-            RowOperands::Pairs(pt) if g.dropout.is_none() => {
+            RowOperands::Pairs(pt, _) if g.dropout.is_none() => {
                 for q in 0..nr.div_ceil(2) {
                     let (lo, hi) = sc.s[2 * q * bc..].split_at_mut(bc);
                     let lo = (&mut lo[..nc], sc.lse[2 * q]);
@@ -277,9 +330,9 @@ impl<T: Element> Context<'_, T> {
         // dP_ij = dO_i V_jᵀ.
         match &ops {
             RowOperands::F32 { dout, ldo, .. } => gemm(&mut sc.dp, bc, dout, *ldo, &sc.vt, bc, (nr, nc, dv), false),
-            RowOperands::Pairs(pt) => {
+            RowOperands::Pairs(pt, slot) => {
                 let dvp = dv.div_ceil(2);
-                gemm_bf16(&mut sc.dp, bc, &pt.dout, dvp, &pt.vt, bc, (nr, nc, dvp), false)
+                gemm_bf16(&mut sc.dp, bc, pt.rows.part(*slot, 1), dvp, &pt.vt, bc, (nr, nc, dvp), false)
             }
         }
 
@@ -301,11 +354,12 @@ impl<T: Element> Context<'_, T> {
         let p = if g.dropout.is_some() { &sc.p_dropped } else { &sc.s };
         match &mut ops {
             RowOperands::F32 { dout, ldo, .. } => gemm_ta(&mut sc.dv, dv, p, bc, dout, *ldo, (nc, dv, nr), true),
-            RowOperands::Pairs(pt) => {
+            RowOperands::Pairs(pt, slot) => {
                 if g.dropout.is_some() {
                     pair_rows(&mut pt.p_rows, bc, p, bc, nr, nc);
                 }
-                gemm_bf16_ta(&mut sc.dv, dv, &pt.p_rows, bc, &pt.dout_rows, dv, (nc, dv, nr.div_ceil(2)), true);
+                let dout_rows = pt.rows.part(*slot, 3);
+                gemm_bf16_ta(&mut sc.dv, dv, &pt.p_rows, bc, dout_rows, dv, (nc, dv, nr.div_ceil(2)), true);
             }
         }
 
@@ -338,7 +392,7 @@ impl<T: Element> Context<'_, T> {
                 gemm_ta(&mut sc.dk, d, &sc.s, bc, q, ldq, (nc, d, nr), true);
                 gemm(dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true);
             }
-            RowOperands::Pairs(mut pt) => {
+            RowOperands::Pairs(mut pt, slot) => {
                 // dS rounded to bf16 once, in both layouts, in one pass over P and dP.
                 let bcp = bc.div_ceil(2);
                 for q in 0..nr.div_ceil(2) {
@@ -350,7 +404,8 @@ impl<T: Element> Context<'_, T> {
                     let keys_hi = (r1 < nr).then_some(keys_hi);
                     ds_to_pairs(lo, hi, &mut pt.ds_rows[q * bc..], keys_lo, keys_hi);
                 }
-                gemm_bf16_ta(&mut sc.dk, d, &pt.ds_rows, bc, &pt.q_rows, d, (nc, d, nr.div_ceil(2)), true);
+                let q_rows = pt.rows.part(slot, 2);
+                gemm_bf16_ta(&mut sc.dk, d, &pt.ds_rows, bc, q_rows, d, (nc, d, nr.div_ceil(2)), true);
                 gemm_bf16(dq, d, &pt.ds_keys, bcp, &pt.k_keys, d, (nr, d, nc.div_ceil(2)), true);
                 sc.pairs = Some(pt);
             }
@@ -362,8 +417,9 @@ impl<T: Element> Context<'_, T> {
 enum RowOperands<'a> {
     /// `Q_i` and `dO_i` as `f32` matrices `(data, row stride)`.
     F32 { q: &'a [f32], ldq: usize, dout: &'a [f32], ldo: usize },
-    /// The thread's pair tiles, `Q_i` and `dO_i` packed (taken out of the scratch for the tile).
-    Pairs(PairTiles),
+    /// The thread's pair tiles (taken out of the scratch for the tile), `Q_i` and `dO_i` packed
+    /// in the given slot of its [`RowSlots`].
+    Pairs(PairTiles, usize),
 }
 
 /// Rows `2q, 2q + 1` of the `nr × nc` tile `src` (row stride `ld_src`) rounded to `bf16` and

@@ -14,6 +14,11 @@ const L2_BUDGET: usize = 1 << 20;
 /// and `V` as `bf16` pairs. Key tiles past it are packed per query tile, as without a cache.
 pub const KV_CACHE_BUDGET: usize = 4 << 20;
 
+/// Bytes of packed query tiles (`Q` and `dO` as `bf16` pairs, in the two layouts of the products)
+/// one thread of the backward pass keeps for its current unit: 4 MiB holds every query tile of
+/// 4k rows at d = 128. Tiles past it are packed per key tile, as without a cache.
+pub const ROW_CACHE_BUDGET: usize = 4 << 20;
+
 /// Rows and columns of a tile of the score matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tiles {

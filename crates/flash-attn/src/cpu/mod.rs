@@ -238,6 +238,25 @@ pub fn backward_into<T: Element>(
     dk: &mut TensorMut<'_, T>,
     dv: &mut TensorMut<'_, T>,
 ) -> Result<()> {
+    let tiles = blocking::backward_tiles(g.d, g.dv);
+    backward_tiled(g, q, k, v, out, lse, dout, (dq, dk, dv), tiles, blocking::ROW_CACHE_BUDGET)
+}
+
+/// [`backward_into`] with explicit tiles and a budget for the packed query tiles each thread keeps
+/// (tests compare budgets).
+#[allow(clippy::too_many_arguments)]
+fn backward_tiled<T: Element>(
+    g: &Geometry<'_>,
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &Tensor<'_, T>,
+    lse: &[f32],
+    dout: &Tensor<'_, T>,
+    (dq, dk, dv): (&mut TensorMut<'_, T>, &mut TensorMut<'_, T>, &mut TensorMut<'_, T>),
+    tiles: Tiles,
+    row_budget: usize,
+) -> Result<()> {
     check_head_dims(g)?;
     let out_layout = g.check_input_like("out", out, &g.q_shape(g.dv), true)?;
     let dout_layout = g.check_input_like("dout", dout, &g.q_shape(g.dv), true)?;
@@ -246,7 +265,6 @@ pub fn backward_into<T: Element>(
     let dk_layout = g.check_output_like("dk", dk, &g.k_shape(g.d), false)?;
     let dv_layout = g.check_output_like("dv", dv, &g.k_shape(g.dv), false)?;
 
-    let tiles = blocking::backward_tiles(g.d, g.dv);
     let chunks = backward::chunks(g, tiles.bc);
     // D = rowsum(dO ∘ O): one pass before the main loop (FA2 Algorithm 2, line 4).
     let delta = backward::row_deltas(g, (out.data(), out_layout), (dout.data(), dout_layout))?;
@@ -296,7 +314,7 @@ pub fn backward_into<T: Element>(
     }
     for_each_dynamic(
         &units,
-        || backward::Scratch::new(g, tiles, bf16.is_some()),
+        || backward::Scratch::new(g, tiles, bf16.is_some(), row_budget),
         |sc, &(s, kv_head, chunk)| ctx.kv_unit(sc, s, kv_head, chunk),
     );
 
@@ -440,6 +458,45 @@ mod tests {
                 let some = run_checked::<T>(&case, tiles, 3 * 4 * (40 + 24) * 16);
                 let all = run_checked::<T>(&case, tiles, 1 << 24);
                 assert!(none == some && some == all, "{case}: the cache changed the results");
+            }
+        }
+    }
+
+    /// Gradient bits of `case` (forward by the library, `dout` from the case's data) with the
+    /// backward's packed query tiles given `budget` bytes per thread.
+    fn backward_bits<T: Element>(case: &Case, tiles: Tiles, budget: usize) -> Vec<u32> {
+        let data = case.data::<T>();
+        let spec = case.spec(&data);
+        let [q, k, v] = data.views();
+        let g = spec.geometry(&q, &k, &v).expect("valid case");
+        let fwd = crate::forward(&spec, &q, &k, &v).expect("valid case");
+        let dout_data: Vec<T> =
+            (0..fwd.out.len()).map(|i| T::from_f64(((i * 7919 % 1000) as f64 - 500.0) / 250.0)).collect();
+        let out = Tensor::new(&fwd.out, &fwd.out_shape);
+        let dout = Tensor::new(&dout_data, &fwd.out_shape);
+        let (qs, ks, vs) = (g.q_shape(g.d), g.k_shape(g.d), g.k_shape(g.dv));
+        let (mut dq, mut dk, mut dv) = (
+            vec![T::default(); qs.iter().product()],
+            vec![T::default(); ks.iter().product()],
+            vec![T::default(); vs.iter().product()],
+        );
+        let grads =
+            (&mut TensorMut::new(&mut dq, &qs), &mut TensorMut::new(&mut dk, &ks), &mut TensorMut::new(&mut dv, &vs));
+        backward_tiled(&g, &q, &k, &v, &out, &fwd.lse, &dout, grads, tiles, budget).expect("valid case");
+        dq.iter().chain(&dk).chain(&dv).map(|x| x.to_f32().to_bits()).collect()
+    }
+
+    #[test]
+    fn cached_query_tiles_give_the_uncached_gradients_in_bf16() {
+        let tiles = Tiles { br: 16, bc: 16 };
+        for causal in [Causal::None, Causal::BottomRight] {
+            for window in [None, Some((20, 5))] {
+                let case = gqa_varlen_case(DType::BF16, causal, window);
+                // No cache (every tile in the spare slot), three slots, plenty.
+                let none = backward_bits::<bf16>(&case, tiles, 0);
+                let some = backward_bits::<bf16>(&case, tiles, 3 * 4 * 16 * (40 + 24));
+                let all = backward_bits::<bf16>(&case, tiles, 1 << 24);
+                assert!(none == some && some == all, "{case}: the cache changed the gradients");
             }
         }
     }
