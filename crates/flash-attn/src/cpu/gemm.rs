@@ -340,14 +340,15 @@ mod x86 {
                 // SAFETY: forwarded from the caller; rows <= MR512, columns masked to n.
                 unsafe {
                     match rows {
-                        8 => tile512::<8, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        7 => tile512::<7, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        6 => tile512::<6, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        5 => tile512::<5, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        4 => tile512::<4, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        3 => tile512::<3, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        2 => tile512::<2, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
-                        _ => tile512::<1, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        8 if w == 32 => tile512::<8, TA, true>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        8 => tile512::<8, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        7 => tile512::<7, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        6 => tile512::<6, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        5 => tile512::<5, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        4 => tile512::<4, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        3 => tile512::<3, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        2 => tile512::<2, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
+                        _ => tile512::<1, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, m0, m1, accumulate),
                     }
                 }
                 i += rows;
@@ -356,14 +357,53 @@ mod x86 {
         }
     }
 
-    /// One `R × 32` micro-tile at `(i, j)`; `m0`, `m1` mask the two 16-column halves.
+    /// One row of a micro-tile's accumulators written to `crow` (added to what is there when
+    /// `accumulate`): masked to the columns of `m0`, `m1`, or, when `FULL`, all 32 with plain
+    /// loads and stores.
+    ///
+    /// # Safety
+    /// AVX-512F available; the columns written (all 32 when `FULL`) in bounds.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn store_c<const FULL: bool>(
+        crow: *mut f32,
+        acc: &[__m512; 2],
+        (m0, m1): (__mmask16, __mmask16),
+        accumulate: bool,
+    ) {
+        let (mut c0, mut c1) = (acc[0], acc[1]);
+        // SAFETY: in bounds by the caller's contract; with m1 = 0 (not FULL) the second half's
+        // address may lie past the view and is never touched (wrapping_add).
+        unsafe {
+            let hi = crow.wrapping_add(16);
+            if FULL {
+                if accumulate {
+                    c0 = _mm512_add_ps(c0, _mm512_loadu_ps(crow));
+                    c1 = _mm512_add_ps(c1, _mm512_loadu_ps(hi));
+                }
+                _mm512_storeu_ps(crow, c0);
+                _mm512_storeu_ps(hi, c1);
+            } else {
+                if accumulate {
+                    c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, crow));
+                    c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, hi));
+                }
+                _mm512_mask_storeu_ps(crow, m0, c0);
+                _mm512_mask_storeu_ps(hi, m1, c1);
+            }
+        }
+    }
+
+    /// One `R × 32` micro-tile at `(i, j)`; `m0`, `m1` mask the two 16-column halves. `FULL`:
+    /// all 32 columns are in bounds, and `B` and `C` are read and written with plain loads and
+    /// stores (on Zen 4 the masked ones cost a few percent of the product, measured).
     ///
     /// # Safety
     /// AVX-512F available; rows `i..i+R`, masked columns and `k` in bounds.
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn tile512<const R: usize, const TA: bool>(
+    unsafe fn tile512<const R: usize, const TA: bool, const FULL: bool>(
         c: *mut f32,
         ldc: usize,
         a: *const f32,
@@ -383,8 +423,11 @@ mod x86 {
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
             for p in 0..k {
                 let brow = b.add(p * ldb + j);
-                let b0 = _mm512_maskz_loadu_ps(m0, brow);
-                let b1 = _mm512_maskz_loadu_ps(m1, brow.add(16));
+                let (b0, b1) = if FULL {
+                    (_mm512_loadu_ps(brow), _mm512_loadu_ps(brow.add(16)))
+                } else {
+                    (_mm512_maskz_loadu_ps(m0, brow), _mm512_maskz_loadu_ps(m1, brow.add(16)))
+                };
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let av = _mm512_set1_ps(*a.add(super::a_index::<TA>(i + r, p, lda)));
                     acc_r[0] = _mm512_fmadd_ps(av, b0, acc_r[0]);
@@ -392,14 +435,7 @@ mod x86 {
                 }
             }
             for (r, acc_r) in acc.iter().enumerate() {
-                let crow = c.add((i + r) * ldc + j);
-                let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
-                if accumulate {
-                    c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, crow));
-                    c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, crow.add(16)));
-                }
-                _mm512_mask_storeu_ps(crow, m0, c0);
-                _mm512_mask_storeu_ps(crow.add(16), m1, c1);
+                store_c::<FULL>(c.add((i + r) * ldc + j), acc_r, (m0, m1), accumulate);
             }
         }
     }
@@ -440,14 +476,17 @@ mod x86 {
                 // SAFETY: forwarded from the caller; rows <= MR512, columns masked to n.
                 unsafe {
                     match rows {
-                        8 => tile512_bf16::<8, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        7 => tile512_bf16::<7, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        6 => tile512_bf16::<6, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        5 => tile512_bf16::<5, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        4 => tile512_bf16::<4, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        3 => tile512_bf16::<3, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        2 => tile512_bf16::<2, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
-                        _ => tile512_bf16::<1, TA>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        8 if w == 32 => {
+                            tile512_bf16::<8, TA, true>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate)
+                        }
+                        8 => tile512_bf16::<8, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        7 => tile512_bf16::<7, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        6 => tile512_bf16::<6, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        5 => tile512_bf16::<5, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        4 => tile512_bf16::<4, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        3 => tile512_bf16::<3, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        2 => tile512_bf16::<2, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
+                        _ => tile512_bf16::<1, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, kp, m0, m1, accumulate),
                     }
                 }
                 i += rows;
@@ -457,14 +496,14 @@ mod x86 {
     }
 
     /// One `R × 32` micro-tile of [`gemm_avx512_bf16`]: per pair of `k`, one broadcast word of
-    /// `A` per row against two 16-column words of `B`.
+    /// `A` per row against two 16-column words of `B`. `FULL` as in [`tile512`].
     ///
     /// # Safety
     /// AVX-512F and AVX-512 BF16 available; rows `i..i+R`, masked columns and `kp` in bounds.
     #[target_feature(enable = "avx512f,avx512bf16")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn tile512_bf16<const R: usize, const TA: bool>(
+    unsafe fn tile512_bf16<const R: usize, const TA: bool, const FULL: bool>(
         c: *mut f32,
         ldc: usize,
         a: *const u32,
@@ -485,9 +524,17 @@ mod x86 {
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
             for p in 0..kp {
                 let brow = b.add(p * ldb + j);
-                let b0: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi32(m0, brow.cast()));
                 // wrapping_add: with m1 = 0 the address may lie past the view and is never read.
-                let b1: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi32(m1, brow.wrapping_add(16).cast()));
+                let (b0, b1) = if FULL {
+                    (_mm512_loadu_si512(brow.cast()), _mm512_loadu_si512(brow.add(16).cast()))
+                } else {
+                    (
+                        _mm512_maskz_loadu_epi32(m0, brow.cast()),
+                        _mm512_maskz_loadu_epi32(m1, brow.wrapping_add(16).cast()),
+                    )
+                };
+                let (b0, b1) =
+                    (std::mem::transmute::<__m512i, __m512bh>(b0), std::mem::transmute::<__m512i, __m512bh>(b1));
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let av: __m512bh =
                         std::mem::transmute(_mm512_set1_epi32(*a.add(super::a_index::<TA>(i + r, p, lda)) as i32));
@@ -496,14 +543,7 @@ mod x86 {
                 }
             }
             for (r, acc_r) in acc.iter().enumerate() {
-                let crow = c.add((i + r) * ldc + j);
-                let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
-                if accumulate {
-                    c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, crow));
-                    c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, crow.wrapping_add(16)));
-                }
-                _mm512_mask_storeu_ps(crow, m0, c0);
-                _mm512_mask_storeu_ps(crow.wrapping_add(16), m1, c1);
+                store_c::<FULL>(c.add((i + r) * ldc + j), acc_r, (m0, m1), accumulate);
             }
         }
     }
