@@ -143,6 +143,21 @@ fn variant_case<T: cuda::CudaElement>(case: &Case, variant: Variant) -> Result<f
     Ok(report(&ours.out, &ours.lse, &oracle, &naive, case.dtype))
 }
 
+fn bwd_variant_case<T: cuda::CudaElement>(case: &Case, variant: BwdVariant, deterministic: bool) -> Result<bool> {
+    let data: CaseData<T> = case.data::<T>();
+    let mut spec = case.spec(&data);
+    if deterministic {
+        spec = spec.deterministic();
+    }
+    let [q, k, v] = data.views();
+    let (dout, dout_shape) = case.dout(&data)?;
+    let dout = flash_attn::Tensor::new(&dout, &dout_shape);
+    let fwd = cuda::forward_host(&spec, &q, &k, &v)?;
+    let out = flash_attn::Tensor::new(&fwd.out, &fwd.out_shape);
+    let grads = cuda::backward_host_variant(&spec, &q, &k, &v, &out, &fwd.lse, &dout, Some(variant))?;
+    Ok(compare_gradients(&spec, &grads, &data, &dout, case.dtype)?.passed())
+}
+
 fn sanitize() -> Result<()> {
     let mut rng = Rng::new(7);
     for (i, (d, causal, varlen)) in [
@@ -217,6 +232,21 @@ fn sanitize() -> Result<()> {
         };
         println!("sanitize variant {i} {}: {c}: {}", variant.name(), if rep.passed() { "pass" } else { "FAIL" });
     }
+    // One forward + backward of every backward variant the device runs (deterministic every
+    // other one).
+    for (i, variant) in BwdVariant::all().into_iter().filter(|v| v.runs_on(&arch)).enumerate() {
+        let mut c = random_case(&mut rng);
+        (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
+        c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
+        if !variant.extras {
+            (c.softcap, c.alibi, c.block) = (None, None, None);
+        }
+        let passed = match variant.dtype {
+            DType::F16 => bwd_variant_case::<f16>(&c, variant, i % 2 == 1)?,
+            _ => bwd_variant_case::<bf16>(&c, variant, i % 2 == 1)?,
+        };
+        println!("sanitize backward variant {i} {}: {c}: {}", variant.name(), if passed { "pass" } else { "FAIL" });
+    }
     // Forward-only head dims past the backward's widest tile.
     for (i, (d, varlen)) in [(200, false), (256, true)].into_iter().enumerate() {
         let mut c = random_case(&mut rng);
@@ -267,7 +297,12 @@ fn bench(args: &[String]) -> Result<()> {
                 vec![None]
             };
             let bwd_variants: Vec<Option<BwdVariant>> = if all_variants {
-                BwdVariant::all().into_iter().filter(|v| v.dtype == dtype && v.d == d).map(Some).collect()
+                let arch = cuda::default_device()?.arch().clone();
+                BwdVariant::all()
+                    .into_iter()
+                    .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch) && (which == "all" || v.wgmma))
+                    .map(Some)
+                    .collect()
             } else {
                 vec![None]
             };
@@ -427,7 +462,10 @@ fn bench_bwd<T: cuda::CudaElement>(
     times.sort_by(f64::total_cmp);
     let ms = times[times.len() / 2];
     let flops = 2.5 * 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
-    let name = variant.or_else(|| BwdVariant::default_for(T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
+    let name = variant
+        .or_else(|| BwdVariant::default_on(dev.arch(), T::DTYPE, d, false))
+        .map(|v| v.name())
+        .unwrap_or_default();
     println!(
         "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"sq\":{s},\"d\":{d},\"causal\":{causal},\"deterministic\":{deterministic},\"bwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"}}",
         T::DTYPE,

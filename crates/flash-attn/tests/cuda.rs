@@ -3,7 +3,7 @@
 #![cfg(feature = "cuda")]
 
 use flash_attn::check::{compare_gradients, report, BlockCase, Case, Rng, Storage};
-use flash_attn::cuda::{self, Arch, Variant, HEAD_DIMS};
+use flash_attn::cuda::{self, Arch, BwdVariant, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Error, Tensor};
 use half::{bf16, f16};
 
@@ -206,6 +206,51 @@ fn random_cuda_case(rng: &mut Rng) -> Case {
         }
     }
     c
+}
+
+/// Every backward variant the device runs (the mma.sync kernels and, on sm_90a, the Hopper
+/// ones), on random cases whose head dim its tile holds; the extras only where compiled in, and
+/// deterministic mode in a third of the cases.
+#[test]
+fn every_backward_variant_on_the_device_meets_the_contract() {
+    let Ok(dev) = cuda::default_device() else {
+        return;
+    };
+    let mut rng = Rng::new(37);
+    for variant in BwdVariant::all().into_iter().filter(|v| v.runs_on(dev.arch())) {
+        for n in 0..5 {
+            let mut c = random_cuda_case(&mut rng);
+            c.dtype = variant.dtype;
+            let lo = BWD_HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
+            c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
+            c.dv = c.d;
+            if !variant.extras {
+                (c.softcap, c.alibi, c.block) = (None, None, None);
+            }
+            let deterministic = n % 3 == 1;
+            match variant.dtype {
+                DType::F16 => backward_variant_case::<f16>(&c, variant, deterministic),
+                _ => backward_variant_case::<bf16>(&c, variant, deterministic),
+            }
+        }
+    }
+}
+
+fn backward_variant_case<T: cuda::CudaElement>(c: &Case, variant: BwdVariant, deterministic: bool) {
+    let data = c.data::<T>();
+    let mut spec = c.spec(&data);
+    if deterministic {
+        spec = spec.deterministic();
+    }
+    let [q, k, v] = data.views();
+    let (dout, dout_shape) = c.dout(&data).expect("dout");
+    let dout = Tensor::new(&dout, &dout_shape);
+    let fwd = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
+    let out = Tensor::new(&fwd.out, &fwd.out_shape);
+    let grads =
+        cuda::backward_host_variant(&spec, &q, &k, &v, &out, &fwd.lse, &dout, Some(variant)).expect("cuda backward");
+    let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype).expect("oracle");
+    assert!(rep.passed(), "{} on {c} (deterministic {deterministic}): {rep}", variant.name());
 }
 
 fn backward_case<T: flash_attn::cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>) {

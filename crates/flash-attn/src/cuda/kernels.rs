@@ -24,6 +24,7 @@ pub(crate) fn backward_source() -> String {
         include_str!("kernels/tile.cuh"),
         include_str!("kernels/mask.cuh"),
         include_str!("kernels/philox.cuh"),
+        include_str!("kernels/wgmma.cuh"),
         include_str!("kernels/flash_bwd.cuh"),
     ]
     .join("\n")
@@ -236,6 +237,9 @@ pub struct BwdVariant {
     pub warps: usize,
     /// Whether dropout, softcap, ALiBi and block masks are compiled in (`FA_EXTRAS`).
     pub extras: bool,
+    /// Whether the products run on Hopper's warpgroup MMAs (`FA_WGMMA`, sm_90a only; `warps` a
+    /// multiple of 4, a warpgroup's 64 keys per product).
+    pub wgmma: bool,
 }
 
 impl BwdVariant {
@@ -251,15 +255,24 @@ impl BwdVariant {
 
     /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO, dSᵀ, and two buffers
     /// each of a tile's lse and D.
+    /// The Hopper kernel adds 1 KiB to align its tiles to the 128-byte swizzle's 1024-byte period.
     pub fn smem_bytes(&self) -> usize {
         let bc = self.block_keys();
-        2 * bc * self.d * 2 + 4 * self.br * self.d * 2 + bc * self.br * 2 + 4 * self.br * 4
+        let align = if self.wgmma { 1024 } else { 0 };
+        2 * bc * self.d * 2 + 4 * self.br * self.d * 2 + bc * self.br * 2 + 4 * self.br * 4 + align
     }
 
-    /// A name that says everything that changes the binary, e.g. `flash_bwd_bf16_d128_r64_w4`.
+    /// A name that says everything that changes the binary, e.g. `flash_bwd_bf16_d128_r64_w4`
+    /// (`_h`: the Hopper kernel, `_x`: with the extras).
     pub fn name(&self) -> String {
+        let h = if self.wgmma { "_h" } else { "" };
         let x = if self.extras { "_x" } else { "" };
-        format!("flash_bwd_{}_d{}_r{}_w{}{x}", self.dtype.name(), self.d, self.br, self.warps)
+        format!("flash_bwd_{}_d{}_r{}_w{}{h}{x}", self.dtype.name(), self.d, self.br, self.warps)
+    }
+
+    /// Whether the variant runs on `arch` (the Hopper kernel: sm_90a only).
+    pub fn runs_on(&self, arch: &Arch) -> bool {
+        !self.wgmma || arch.has_wgmma()
     }
 
     /// Spill bytes that `kernels --compile-all` tolerates for this variant. Zero, except at
@@ -268,7 +281,7 @@ impl BwdVariant {
     /// query tile) in every arrangement tried (docs/cuda-notes.md, v3). The budget is there so
     /// that a change that spills more, or spills anywhere else, fails.
     pub fn spill_budget(&self) -> u32 {
-        if self.d >= 128 {
+        if self.d >= 128 && !self.wgmma {
             80
         } else {
             0
@@ -286,16 +299,38 @@ impl BwdVariant {
             format!("-DFA_WARPS={}", self.warps),
             format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
             format!("-DFA_EXTRAS={}", u8::from(self.extras)),
+            format!("-DFA_WGMMA={}", u8::from(self.wgmma)),
         ]
     }
 
-    /// The variant used for `dtype` and head dim `d`, if supported: the fastest measured on an
-    /// H100 (docs/cuda-notes.md, v3: 64 keys per block, 4 warps, at every length of the grid).
+    /// The variant used for `dtype` and head dim `d` on the sm_80 path, if supported: the fastest
+    /// measured on an H100 (docs/cuda-notes.md, v3: 64 keys per block, 4 warps, at every length of
+    /// the grid).
     pub fn default_for(dtype: DType, d: usize) -> Option<BwdVariant> {
         if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
-        Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: false })
+        Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: false, wgmma: false })
+    }
+
+    /// The Hopper (sm_90a) variant for `dtype` and head dim `d`: two warpgroups (128 keys);
+    /// 64 queries per tile at d = 128, 128 at d = 64 (a warpgroup's dQ piece is 64 x 64).
+    pub fn hopper_for(dtype: DType, d: usize) -> Option<BwdVariant> {
+        if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
+            return None;
+        }
+        let br = if d == 64 { 128 } else { 64 };
+        Some(BwdVariant { dtype, d, br, warps: 8, extras: false, wgmma: true })
+    }
+
+    /// The variant used on `arch` for `dtype`, head dim `d`, with the extras or not: the Hopper
+    /// kernel on sm_90a without the extras (with them it spills), else [`BwdVariant::default_for`].
+    pub fn default_on(arch: &Arch, dtype: DType, d: usize, extras: bool) -> Option<BwdVariant> {
+        if arch.has_wgmma() && !extras {
+            BwdVariant::hopper_for(dtype, d)
+        } else {
+            BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras))
+        }
     }
 
     /// This variant with the extras (dropout, softcap, ALiBi, block masks) compiled in or not.
@@ -310,10 +345,13 @@ impl BwdVariant {
             for d in BWD_HEAD_DIMS {
                 // (128, 4) was measured too (docs/cuda-notes.md): slower everywhere and it spills.
                 for (br, warps) in [(64, 4), (64, 8)] {
-                    v.push(BwdVariant { dtype, d, br, warps, extras: false });
+                    v.push(BwdVariant { dtype, d, br, warps, extras: false, wgmma: false });
                 }
                 if let Some(x) = BwdVariant::default_for(dtype, d) {
                     v.push(x.with_extras(true));
+                }
+                if let Some(h) = BwdVariant::hopper_for(dtype, d) {
+                    v.push(h);
                 }
             }
         }

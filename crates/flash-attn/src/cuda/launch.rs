@@ -245,10 +245,9 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
 }
 
 /// The backward variant for this problem, or why the CUDA backward cannot run it.
-pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType) -> Result<BwdVariant> {
+pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<BwdVariant> {
     let width = check_supported(g, dtype, true)?;
-    BwdVariant::default_for(dtype, width)
-        .map(|v| v.with_extras(needs_extras(g)))
+    BwdVariant::default_on(arch, dtype, width, needs_extras(g))
         .ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
 }
 

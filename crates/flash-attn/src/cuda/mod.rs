@@ -369,8 +369,11 @@ impl Device {
             &g.k_shape(g.dv),
             false,
         )?;
-        let default = launch::supported_backward(&g, T::DTYPE)?;
+        let default = launch::supported_backward(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
+        if !variant.runs_on(&self.arch) {
+            return Err(Error::Unsupported(format!("variant {} does not run on {}", variant.name(), self.arch.0)));
+        }
         check_fit(
             &variant.name(),
             (variant.dtype, variant.d, variant.extras),
@@ -527,11 +530,11 @@ pub fn backward_host_variant<T: CudaElement>(
     variant: Option<BwdVariant>,
 ) -> Result<Gradients<T>> {
     let g = Geometry::new(spec, q, k, v)?;
+    let dev = default_device()?;
     let variant = match variant {
         Some(v) => v,
-        None => launch::supported_backward(&g, T::DTYPE)?,
+        None => launch::supported_backward(&g, T::DTYPE, dev.arch())?,
     };
-    let dev = default_device()?;
     let up = |x: &Tensor<'_, T>| dev.upload(x.data());
     let (dq_in, dk_in, dv_in, dout_in, out_in) = (up(q)?, up(k)?, up(v)?, up(dout)?, up(out)?);
     let lse_in = dev.stream.clone_htod(lse).map_err(|e| driver_error("upload lse", e))?;
@@ -614,7 +617,7 @@ pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
         .chain(
             BwdVariant::all()
                 .into_iter()
-                .map(|v| (v.name(), bwd_source.as_str(), v.options(), v.spill_budget(), false)),
+                .map(|v| (v.name(), bwd_source.as_str(), v.options(), v.spill_budget(), v.wgmma)),
         )
         .collect();
     let mut reports = Vec::new();

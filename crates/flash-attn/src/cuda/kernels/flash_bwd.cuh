@@ -39,6 +39,9 @@
 #ifndef FA_PARTS
 #define FA_PARTS 1
 #endif
+#ifndef FA_WGMMA
+#define FA_WGMMA 0  // 1: the four products and dQ on sm_90a warpgroup MMAs (wgmma.cuh)
+#endif
 
 // The launch parameters; mirrored field for field by `BwdParams` in src/cuda/launch.rs.
 struct BwdParams {
@@ -202,6 +205,37 @@ struct FlashBwd {
     // K, V | Q[2], dO[2] | dSᵀ | lse[2], D[2]
     static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES + 4 * ROW_BYTES;
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
+#if FA_WGMMA
+    // A warpgroup (4 warps, 64 keys) issues each product for its keys: Sᵀ and dPᵀ as
+    // m64 x BR / PARTS, dV and dK as m64 x D. Tiles in the wgmma layout (load_tile_gmma).
+    static_assert(WARPS % 4 == 0, "whole warpgroups");
+    static constexpr int WGS = WARPS / 4;
+    // dQ = dS K (BR x D over the BC keys): warpgroup w takes 64 query rows and NQ columns.
+    static constexpr int NSPLIT = WGS / (BR / 64);
+    static_assert(NSPLIT >= 1 && WGS % (BR / 64) == 0, "every warpgroup one dQ piece");
+    static constexpr int NQ = D / NSPLIT;
+    static_assert(NQ % 64 == 0, "dQ pieces of whole 64-column blocks (B descriptors start on them)");
+#endif
+
+    // A ROWS x D tile copy in the layout the products read: wgmma's or ldmatrix's swizzle.
+    template <int ROWS>
+    static __device__ __forceinline__ void load_tile_any(u32 tile, const u16* g, long long row_stride, int rows_valid,
+                                                         int cols_valid, int tid) {
+#if FA_WGMMA
+        load_tile_gmma<ROWS, D, THREADS>(tile, g, row_stride, rows_valid, cols_valid, tid);
+#else
+        load_tile_async<ROWS, D, THREADS>(tile, g, row_stride, rows_valid, cols_valid, tid);
+#endif
+    }
+
+    // Where chunk `chunk` of row `row` of the dSᵀ tile ([key][query]) lives.
+    static __device__ __forceinline__ u32 ds_offset(int row, int chunk) {
+#if FA_WGMMA
+        return gmma_offset<BC>(row, chunk);
+#else
+        return swizzled_offset<BR>(row, chunk);
+#endif
+    }
 
     // Copies BR floats starting at g (rows >= rows_valid zero-filled) with 4-byte cp.async.
     static __device__ __forceinline__ void load_row_floats(u32 dst, const float* g, int rows_valid, int tid) {
@@ -224,6 +258,21 @@ struct FlashBwd {
     template <int N>
     static __device__ __forceinline__ void scores_t(FragC (&s)[N], u32 sK, u32 sQ, int q0, int warp_key, int lane) {
         static_assert(N % 2 == 0 && N <= NT, "whole 16-query pairs inside the tile");
+#if FA_WGMMA
+        // The warpgroup's 64 keys start at row warp_key & ~63 of the key tile.
+        const u32 a0 = sK + (u32)((warp_key & ~63) * 128), b0 = sQ + (u32)(q0 * 128);
+        fence_operands(s);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u64 da = gmma_desc(a0 + (u32)((kk / 4) * BC * 128 + (kk % 4) * 32), 16, 1024);
+            const u64 db = gmma_desc(b0 + (u32)((kk / 4) * BR * 128 + (kk % 4) * 32), 16, 1024);
+            wgmma_ss<8 * N>(s, da, db, kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(s);
+#else
 #pragma unroll
         for (int nt = 0; nt < N; ++nt)
 #pragma unroll
@@ -239,6 +288,7 @@ struct FlashBwd {
                 mma<BF16>(s[2 * np + 1], ka, b1);
             }
         }
+#endif
     }
 
     // acc += A · X over the 16 · K queries from query q0, where the warp's 16-key fragment tiles
@@ -248,6 +298,21 @@ struct FlashBwd {
     static __device__ __forceinline__ void accumulate_t(FragC (&acc)[DT], const FragA (&a)[K], u32 sX, int q0,
                                                         int lane) {
         static_assert(K <= BR / 16, "inside the tile");
+#if FA_WGMMA
+        // X ([query][d], rows q0..) is the MN-major B operand: transposed by the instruction.
+#pragma unroll
+        for (int kk = 0; kk < K; ++kk) fence_operands(const_cast<FragA&>(a[kk]));
+        fence_operands(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < K; ++kk)
+            wgmma_rs<D>(acc, a[kk], gmma_desc(sX + (u32)((q0 + 16 * kk) * 128), BR * 128, 1024));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc);
+#pragma unroll
+        for (int kk = 0; kk < K; ++kk) fence_operands(const_cast<FragA&>(a[kk]));
+#else
 #pragma unroll
         for (int kk = 0; kk < K; ++kk) {
 #pragma unroll
@@ -258,6 +323,7 @@ struct FlashBwd {
                 mma<BF16>(acc[2 * dp + 1], a[kk], b1);
             }
         }
+#endif
     }
 
     // Keep bits of this thread's Sᵀ elements for query head stream bh: bit (4·nt + 2·r + c) is
@@ -291,6 +357,34 @@ struct FlashBwd {
     static __device__ __forceinline__ void accumulate_dq(u32 sDS, u32 sK, float* acc, long long acc_row,
                                                          int rows_valid, int head_dim, int warp, int lane) {
         const int g = lane >> 2, t = lane & 3;
+#if FA_WGMMA
+        // Warpgroup w: query rows m0 .. m0 + 63, columns n0 .. n0 + NQ - 1. A = dS read from dSᵀ
+        // ([key][query], MN-major: transposed), B = K ([key][d], MN-major: transposed).
+        const int wg = warp / 4, m0 = 64 * (wg / NSPLIT), n0 = NQ * (wg % NSPLIT);
+        if (n0 >= head_dim) return;  // padding columns only: dQ there is never read
+        FragC d[NQ / 8];
+        fence_operands(d);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            const u64 da = gmma_desc(sDS + (u32)((m0 / 64) * BC * 128 + kk * 16 * 128), BC * 128, 1024);
+            const u64 db = gmma_desc(sK + (u32)((n0 / 64) * BC * 128 + kk * 16 * 128), BC * 128, 1024);
+            wgmma_ss<NQ, 1, 1>(d, da, db, kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(d);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + 16 * (warp % 4) + g + 8 * r;
+            if (row < rows_valid) {
+                float* dst = acc + row * acc_row + n0 + 2 * t;
+#pragma unroll
+                for (int n = 0; n < NQ / 8; ++n)
+                    if (n0 + 8 * n < head_dim) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
+            }
+        }
+#else
         constexpr int UNITS = (BR / 16) * (D / 32);
         for (int u = warp; u < UNITS; u += WARPS) {
             const int m0 = 16 * (u / (D / 32)), c0 = 32 * (u % (D / 32));
@@ -327,6 +421,7 @@ struct FlashBwd {
                 }
             }
         }
+#endif
     }
 
     // Writes this warp's 16 rows of a dK or dV accumulator (times `mul`) for keys < keys_valid.
@@ -394,11 +489,10 @@ struct FlashBwd {
             const int rows_valid = min(BR, sq - row0);
             const BlockCoords c = block_coords(p);
             const long long tok = c.q_start + row0;
-            load_tile_async<BR, D, THREADS>(sQ0 + buf * Q_BYTES, p.q + c.b * p.q_batch + tok * p.q_row + h * p.q_head,
-                                            p.q_row, rows_valid, p.d, tid);
-            load_tile_async<BR, D, THREADS>(sDO0 + buf * Q_BYTES,
-                                            p.dout + c.b * p.do_batch + tok * p.do_row + h * p.do_head, p.do_row,
-                                            rows_valid, p.d, tid);
+            load_tile_any<BR>(sQ0 + buf * Q_BYTES, p.q + c.b * p.q_batch + tok * p.q_row + h * p.q_head, p.q_row,
+                              rows_valid, p.d, tid);
+            load_tile_any<BR>(sDO0 + buf * Q_BYTES, p.dout + c.b * p.do_batch + tok * p.do_row + h * p.do_head,
+                              p.do_row, rows_valid, p.d, tid);
             const long long li = c.b * p.lse_batch + h * p.lse_head + tok;
             load_row_floats(sL0 + buf * ROW_BYTES, p.lse + li, rows_valid, tid);
             load_row_floats(sD0 + buf * ROW_BYTES, p.dpsum + li, rows_valid, tid);
@@ -425,8 +519,8 @@ struct FlashBwd {
 
         bool all_on;
         int w = next_item(0, all_on), buf = 0;
-        load_tile_async<BC, D, THREADS>(sK, gK, p.k_row, keys_valid, p.d, tid);
-        load_tile_async<BC, D, THREADS>(sV, gV, p.v_row, keys_valid, p.d, tid);
+        load_tile_any<BC>(sK, gK, p.k_row, keys_valid, p.d, tid);
+        load_tile_any<BC>(sV, gV, p.v_row, keys_valid, p.d, tid);
         if (w < work) prefetch(w, buf);
         cp_async_commit();
 
@@ -436,6 +530,9 @@ struct FlashBwd {
             if (next < work) prefetch(next, buf ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
+#if FA_WGMMA
+            fence_proxy_async();
+#endif
             __syncthreads();  // item w (and K, V) landed
 
             const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
@@ -568,13 +665,16 @@ struct FlashBwd {
                         for (int r = 0; r < 2; ++r) {
                             const int row = warp_key + g + 8 * r, chunk = 2 * (part * PN / 2 + kk) + h2;
                             const u32 word = da[kk].x[2 * h2 + r];
-                            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + swizzled_offset<BR>(row, chunk) + 4 * t),
+                            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + ds_offset(row, chunk) + 4 * t),
                                          "r"(word));
                         }
 
                 // dK += dSᵀ Q (the scale is applied once at the end).
                 accumulate_t(dk, da, sQ, 8 * PN * part, lane);
             }
+#if FA_WGMMA
+            fence_proxy_async();  // dSᵀ was written by st.shared; the dQ wgmma reads it
+#endif
             __syncthreads();  // dSᵀ complete
 
             // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
@@ -616,7 +716,16 @@ struct FlashBwd {
     }
 };
 
+#if FA_WGMMA
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_bwd(const BwdParams p) {
+    extern __shared__ __align__(128) char smem[];
+    // The launcher adds 1 KiB so that the tiles can start on the swizzle's 1024-byte period.
+    const u32 base = smem_addr(smem);
+    FlashBwd<FA_D, FA_BR, FA_WARPS, FA_BF16 != 0>::run(p, smem + (((base + 1023u) & ~1023u) - base));
+}
+#else
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32) flash_bwd(const BwdParams p) {
     extern __shared__ __align__(128) char smem[];
     FlashBwd<FA_D, FA_BR, FA_WARPS, FA_BF16 != 0>::run(p, smem);
 }
+#endif
