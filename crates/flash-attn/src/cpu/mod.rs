@@ -9,6 +9,7 @@ mod backward;
 pub(crate) mod blocking;
 mod forward;
 pub mod gemm;
+mod lanes;
 mod pairs;
 mod softmax;
 mod tile;

@@ -250,6 +250,8 @@ pub(super) fn ds_to_pairs(
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::lanes::{load_ps, store_epi32};
+
     /// The first `k` of 16 lanes.
     fn mask(k: usize) -> __mmask16 {
         if k >= 16 {
@@ -287,8 +289,8 @@ mod x86 {
             // the caller's contract. Masked-off lanes are exact zeros, which pad an odd tail.
             unsafe {
                 let ds = |(p, dp, d): super::DsRow<'_>, k: __mmask16, off: usize| {
-                    let pv = _mm512_maskz_loadu_ps(k, p.as_ptr().wrapping_add(j + off));
-                    let dpv = _mm512_maskz_loadu_ps(k, dp.as_ptr().wrapping_add(j + off));
+                    let pv = load_ps(k, p.as_ptr().wrapping_add(j + off));
+                    let dpv = load_ps(k, dp.as_ptr().wrapping_add(j + off));
                     _mm512_maskz_mul_ps(k, pv, _mm512_sub_ps(dpv, _mm512_set1_ps(d)))
                 };
                 let (l0, l1) = (ds(lo, k0, 0), ds(lo, k1, 16));
@@ -297,9 +299,9 @@ mod x86 {
                 let bl: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(l1, l0));
                 let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h1, h0));
                 let kw = mask(w.div_ceil(2));
-                _mm512_mask_storeu_epi32(klo.add(j / 2).cast(), kw, bl);
+                store_epi32(klo.add(j / 2), kw, bl);
                 if hi_live != 0 {
-                    _mm512_mask_storeu_epi32(khi.add(j / 2).cast(), kw, bh);
+                    store_epi32(khi.add(j / 2), kw, bh);
                 }
                 // And interleaved across the two rows: word c = lo[c] | hi[c] << 16.
                 let word = |half_l: __m256i, half_h: __m256i| {
@@ -310,8 +312,8 @@ mod x86 {
                 };
                 let w0 = word(_mm512_castsi512_si256(bl), _mm512_castsi512_si256(bh));
                 let w1 = word(_mm512_extracti64x4_epi64::<1>(bl), _mm512_extracti64x4_epi64::<1>(bh));
-                _mm512_mask_storeu_epi32(rp.add(j).cast(), k0, w0);
-                _mm512_mask_storeu_epi32(rp.wrapping_add(j + 16).cast(), k1, w1);
+                store_epi32(rp.add(j), k0, w0);
+                store_epi32(rp.wrapping_add(j + 16), k1, w1);
             }
             j += w;
         }

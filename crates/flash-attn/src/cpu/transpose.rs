@@ -56,6 +56,8 @@ pub(super) fn transpose_with<E: Word>(
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::lanes::{load_ps, store_ps};
+
     fn mask(n: usize) -> __mmask16 {
         if n >= 16 {
             0xFFFF
@@ -92,7 +94,7 @@ mod x86 {
         let mut r = [_mm512_setzero_ps(); 16];
         for (i, ri) in r.iter_mut().enumerate().take(nr) {
             // SAFETY: row i < nr is readable for the nc columns the mask selects.
-            *ri = unsafe { _mm512_maskz_loadu_ps(load, src.add(i * ld_src)) };
+            *ri = unsafe { load_ps(load, src.add(i * ld_src)) };
         }
         // Pairs of rows interleaved, then quadruples, then 128-bit lanes: after the three steps,
         // vector c holds column c.
@@ -121,7 +123,7 @@ mod x86 {
         }
         for (c, rc) in r.iter().enumerate().take(nc) {
             // SAFETY: row c < nc of dst is writable for the nr lanes the mask selects.
-            unsafe { _mm512_mask_storeu_ps(dst.add(c * ld_dst), store, *rc) };
+            unsafe { store_ps(dst.add(c * ld_dst), store, *rc) };
         }
     }
 }

@@ -98,6 +98,8 @@ pub fn exp_scaled_row_pairs(lo: (&mut [f32], f32), hi: Option<(&mut [f32], f32)>
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::lanes::{load_ps, store_epi32, store_ps};
+
     /// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)`.
     const C: [f32; 8] = [
         1.0,
@@ -219,15 +221,15 @@ mod x86 {
             // never touched); `dst` holds `n` words. Masked-off lanes are exact zeros.
             unsafe {
                 let p = |ptr: *mut f32, m: __m512, k: __mmask16, off: usize| {
-                    let x = _mm512_maskz_loadu_ps(k, ptr.wrapping_add(j + off));
+                    let x = load_ps(k, ptr.wrapping_add(j + off));
                     _mm512_maskz_mov_ps(k, exp2(_mm512_mul_ps(_mm512_fmsub_ps(x, sv, m), log2e)))
                 };
                 let (l0, l1) = (p(lp, lm, k0 & lo_live, 0), p(lp, lm, k1 & lo_live, 16));
                 let (h0, h1) = (p(hp, hm, k0 & hi_live, 0), p(hp, hm, k1 & hi_live, 16));
-                _mm512_mask_storeu_ps(lp.add(j), k0, l0);
-                _mm512_mask_storeu_ps(lp.wrapping_add(j + 16), k1, l1);
-                _mm512_mask_storeu_ps(hp.add(j), k0 & hi_store, h0);
-                _mm512_mask_storeu_ps(hp.wrapping_add(j + 16), k1 & hi_store, h1);
+                store_ps(lp.add(j), k0, l0);
+                store_ps(lp.wrapping_add(j + 16), k1, l1);
+                store_ps(hp.add(j), k0 & hi_store, h0);
+                store_ps(hp.wrapping_add(j + 16), k1 & hi_store, h1);
                 // Each row's 32 values as bf16 (low 16 in the low 256 bits), then word c =
                 // lo[c] | hi[c] << 16.
                 let bl: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(l1, l0));
@@ -240,8 +242,8 @@ mod x86 {
                 };
                 let w0 = word(_mm512_castsi512_si256(bl), _mm512_castsi512_si256(bh));
                 let w1 = word(_mm512_extracti64x4_epi64::<1>(bl), _mm512_extracti64x4_epi64::<1>(bh));
-                _mm512_mask_storeu_epi32(dp.add(j).cast(), k0, w0);
-                _mm512_mask_storeu_epi32(dp.wrapping_add(j + 16).cast(), k1, w1);
+                store_epi32(dp.add(j), k0, w0);
+                store_epi32(dp.wrapping_add(j + 16), k1, w1);
             }
             j += w;
         }

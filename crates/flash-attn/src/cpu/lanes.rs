@@ -1,0 +1,61 @@
+//! Loads and stores of 16 lanes under a mask, plain when the mask selects all of them: Zen 4
+//! runs the masked forms measurably slower (step 21 of `docs/cpu-performance.md`), and the
+//! row kernels meet a partial mask only at a row's end.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+/// All 16 lanes.
+const ALL: __mmask16 = 0xFFFF;
+
+/// The lanes of `k` loaded from `p`, the others zero.
+///
+/// # Safety
+/// AVX-512F available; the selected lanes readable at `p`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub unsafe fn load_ps(k: __mmask16, p: *const f32) -> __m512 {
+    // SAFETY: the caller's contract; with all lanes selected the whole vector is readable.
+    unsafe {
+        if k == ALL {
+            _mm512_loadu_ps(p)
+        } else {
+            _mm512_maskz_loadu_ps(k, p)
+        }
+    }
+}
+
+/// The lanes of `k` of `v` stored at `p`.
+///
+/// # Safety
+/// AVX-512F available; the selected lanes writable at `p`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub unsafe fn store_ps(p: *mut f32, k: __mmask16, v: __m512) {
+    // SAFETY: as above.
+    unsafe {
+        if k == ALL {
+            _mm512_storeu_ps(p, v)
+        } else {
+            _mm512_mask_storeu_ps(p, k, v)
+        }
+    }
+}
+
+/// The 32-bit lanes of `k` of `v` stored at `p`.
+///
+/// # Safety
+/// AVX-512F available; the selected lanes writable at `p`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub unsafe fn store_epi32(p: *mut u32, k: __mmask16, v: __m512i) {
+    // SAFETY: as above.
+    unsafe {
+        if k == ALL {
+            _mm512_storeu_si512(p.cast(), v)
+        } else {
+            _mm512_mask_storeu_epi32(p.cast(), k, v)
+        }
+    }
+}
