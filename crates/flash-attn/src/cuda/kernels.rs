@@ -313,8 +313,10 @@ impl BwdVariant {
         Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: false, wgmma: false })
     }
 
-    /// The Hopper (sm_90a) variant for `dtype` and head dim `d`: two warpgroups (128 keys);
-    /// 64 queries per tile at d = 128, 128 at d = 64 (a warpgroup's dQ piece is 64 x 64).
+    /// The Hopper (sm_90a) variant for `dtype` and head dim `d`: two warpgroups (128 keys); 64
+    /// queries per tile at d = 128, 128 at d = 64 (a warpgroup's piece of dQ is 64 queries x a
+    /// multiple of 64 columns). One warpgroup per block (two blocks per multiprocessor) measured
+    /// slower at both (docs/cuda-notes.md, Hopper backward).
     pub fn hopper_for(dtype: DType, d: usize) -> Option<BwdVariant> {
         if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
@@ -352,6 +354,8 @@ impl BwdVariant {
                 }
                 if let Some(h) = BwdVariant::hopper_for(dtype, d) {
                     v.push(h);
+                    // One warpgroup per block, 64 queries (two blocks per multiprocessor).
+                    v.push(BwdVariant { br: 64, warps: 4, ..h });
                 }
             }
         }

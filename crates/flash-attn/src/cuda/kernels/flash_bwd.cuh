@@ -205,6 +205,10 @@ struct FlashBwd {
     // K, V | Q[2], dO[2] | dSᵀ | lse[2], D[2]
     static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES + 4 * ROW_BYTES;
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
+    // Hopper: Sᵀ and dPᵀ issued together, dV left in flight under dSᵀ, at 64 queries per tile.
+    // With 128, that many live registers spill, so dPᵀ is issued once dV (waited for) has freed
+    // Pᵀ's registers.
+    static constexpr bool SDP_TOGETHER = FA_WGMMA != 0 && BR == 64;
 #if FA_WGMMA
     // A warpgroup (4 warps, 64 keys) issues each product for its keys: Sᵀ and dPᵀ as
     // m64 x BR / PARTS, dV and dK as m64 x D. Tiles in the wgmma layout (load_tile_gmma).
@@ -255,7 +259,8 @@ struct FlashBwd {
 
     // Sᵀ = K Qᵀ for this warp's 16 keys and the N · 8 queries from query q0 (raw dot products);
     // q0 is a multiple of 16 (a compile-time constant once the callers' loops unroll).
-    template <int N>
+    // (wgmma: WAIT false leaves the product in flight; the caller waits and fences s.)
+    template <int N, bool WAIT = true>
     static __device__ __forceinline__ void scores_t(FragC (&s)[N], u32 sK, u32 sQ, int q0, int warp_key, int lane) {
         static_assert(N % 2 == 0 && N <= NT, "whole 16-query pairs inside the tile");
 #if FA_WGMMA
@@ -270,8 +275,10 @@ struct FlashBwd {
             wgmma_ss<8 * N>(s, da, db, kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(s);
+        if (WAIT) {
+            wgmma_wait<0>();
+            fence_operands(s);
+        }
 #else
 #pragma unroll
         for (int nt = 0; nt < N; ++nt)
@@ -294,7 +301,8 @@ struct FlashBwd {
     // acc += A · X over the 16 · K queries from query q0, where the warp's 16-key fragment tiles
     // `a` (keys × queries) are the A operand and X (BR × D, row-major in shared memory) the B
     // operand: dV += Pᵀ dO, dK += dSᵀ Q.
-    template <int K>
+    // (wgmma: WAIT false leaves the product in flight; the caller waits and fences acc and a.)
+    template <int K, bool WAIT = true>
     static __device__ __forceinline__ void accumulate_t(FragC (&acc)[DT], const FragA (&a)[K], u32 sX, int q0,
                                                         int lane) {
         static_assert(K <= BR / 16, "inside the tile");
@@ -308,10 +316,12 @@ struct FlashBwd {
         for (int kk = 0; kk < K; ++kk)
             wgmma_rs<D>(acc, a[kk], gmma_desc(sX + (u32)((q0 + 16 * kk) * 128), BR * 128, 1024));
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(acc);
+        if (WAIT) {
+            wgmma_wait<0>();
+            fence_operands(acc);
 #pragma unroll
-        for (int kk = 0; kk < K; ++kk) fence_operands(const_cast<FragA&>(a[kk]));
+            for (int kk = 0; kk < K; ++kk) fence_operands(const_cast<FragA&>(a[kk]));
+        }
 #else
 #pragma unroll
         for (int kk = 0; kk < K; ++kk) {
@@ -551,7 +561,20 @@ struct FlashBwd {
 
             // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
             FragC s[NT];
+#if FA_WGMMA
+            // Sᵀ and dPᵀ = V dOᵀ back to back; dV and dK below stay in flight under the element-wise
+            // work until dQ's wait.
+            static_assert(PARTS == 1, "the Hopper kernel computes dPᵀ whole");
+            FragC dp[NT];
+            FragA pa[BR / 16], da[NT / 2];
+            scores_t<NT, false>(s, sK, sQ, 0, warp_key, lane);
+            if (SDP_TOGETHER) scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
+            wgmma_wait<0>();
+            fence_operands(s);
+            if (SDP_TOGETHER) fence_operands(dp);
+#else
             scores_t(s, sK, sQ, 0, warp_key, lane);
+#endif
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -587,7 +610,9 @@ struct FlashBwd {
 
             // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p).
             {
+#if !FA_WGMMA
                 FragA pa[BR / 16];
+#endif
 #pragma unroll
                 for (int kk = 0; kk < BR / 16; ++kk) {
                     if (drop) {
@@ -610,17 +635,26 @@ struct FlashBwd {
                         pa[kk] = scores_to_a<BF16>(s[2 * kk], s[2 * kk + 1]);
                     }
                 }
-                accumulate_t(dv, pa, sDO, 0, lane);
+                accumulate_t<BR / 16, FA_WGMMA == 0 || !SDP_TOGETHER>(dv, pa, sDO, 0, lane);
             }
+#if FA_WGMMA
+            if (!SDP_TOGETHER) {
+                scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
+                wgmma_wait<0>();
+                fence_operands(dp);
+            }
+#endif
 
             // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D); dK += dSᵀ Q. In PARTS slices of the
             // queries, so only a slice of dPᵀ is live next to Pᵀ, dK and dV (registers are full).
 #pragma unroll
             for (int part = 0; part < PARTS; ++part) {
                 constexpr int PN = NT / PARTS;  // n-tiles (8 queries) per part
+#if !FA_WGMMA
                 FragC dp[PN];
                 scores_t(dp, sV, sDO, 8 * PN * part, warp_key, lane);
                 FragA da[PN / 2];
+#endif
 #pragma unroll
                 for (int i = 0; i < PN; ++i)
 #pragma unroll
@@ -670,10 +704,18 @@ struct FlashBwd {
                         }
 
                 // dK += dSᵀ Q (the scale is applied once at the end).
-                accumulate_t(dk, da, sQ, 8 * PN * part, lane);
+                accumulate_t<PN / 2, FA_WGMMA == 0>(dk, da, sQ, 8 * PN * part, lane);
             }
 #if FA_WGMMA
             fence_proxy_async();  // dSᵀ was written by st.shared; the dQ wgmma reads it
+            // dV and dK complete: their registers (and pa, da) are free again after this.
+            wgmma_wait<0>();
+            fence_operands(dv);
+            fence_operands(dk);
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; ++kk) fence_operands(pa[kk]);
+#pragma unroll
+            for (int kk = 0; kk < NT / 2; ++kk) fence_operands(da[kk]);
 #endif
             __syncthreads();  // dSᵀ complete
 
@@ -717,7 +759,9 @@ struct FlashBwd {
 };
 
 #if FA_WGMMA
-extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_bwd(const BwdParams p) {
+// One warpgroup per block (64 keys): two blocks per multiprocessor; two warpgroups: one.
+#define FA_MIN_BLOCKS (FA_WARPS == 4 ? 2 : 1)
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, FA_MIN_BLOCKS) flash_bwd(const BwdParams p) {
     extern __shared__ __align__(128) char smem[];
     // The launcher adds 1 KiB so that the tiles can start on the swizzle's 1024-byte period.
     const u32 base = smem_addr(smem);
