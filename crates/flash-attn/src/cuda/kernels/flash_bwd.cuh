@@ -19,7 +19,10 @@
 // (queries per tile),
 // FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (1: dropout, softcap, ALiBi,
 // block masks),
-// FA_PARTS (query slices of the dP phase; an experiment knob, 1 in every shipped variant).
+// FA_PARTS (query slices of the dP phase; an experiment knob, 1 in every shipped variant),
+// FA_WGMMA (1: sm_90a; the products on warpgroup MMAs, a warpgroup's 64 keys per product, tiles
+// in the wgmma layout; the element-wise code is shared, since a warpgroup's accumulator gives each
+// of its warps the 16 rows and the fragment layout the mma.sync path has).
 
 #ifndef FA_D
 #define FA_D 128

@@ -10,7 +10,8 @@
 // the next of 64, 128, 256 above it; the columns past the runtime `d` load as zeros and are
 // never stored, so they change no score and no output), FA_MT (16-row
 // tiles per warp), FA_BC (keys per tile), FA_WARPS, FA_BF16 (1: bf16, 0: fp16), FA_EXTRAS (1: the
-// dropout, softcap, ALiBi and block-mask paths compiled in).
+// dropout, softcap, ALiBi and block-mask paths compiled in), FA_WGMMA (1: the sm_90a kernel,
+// FlashFwdSm90, below).
 
 #ifndef FA_D
 #define FA_D 128
@@ -356,9 +357,10 @@ struct FlashFwd {
 // store as FlashFwd, with both products on warpgroup MMAs (wgmma.cuh). A block is WARPS / 4
 // warpgroups of 64 query rows each (a warp keeps its 16 rows: FA_MT must be 1); Q, K and V sit
 // in shared memory in the wgmma's 128-byte-swizzled layout (load_tile_gmma), K and V in two
-// stages, so the copy of tile n + 1 runs under the products of tile n. S = Q·Kᵀ reads both
-// operands from shared memory; O += P·V takes P from the score registers and V transposed by the
-// instruction.
+// buffers each, filled one iteration before they are read. S = Q·Kᵀ reads both operands from
+// shared memory; O += P·V takes P from the registers and V transposed by the instruction. With
+// OVERLAP, S of tile j and P·V of tile j - 1 are in flight together and the softmax of tile j runs
+// under P·V (FlashAttention-3's intra-warpgroup pipelining).
 template <int D, int BC, int WARPS, bool BF16>
 struct FlashFwdSm90 {
     using Base = FlashFwd<D, 1, BC, WARPS, BF16>;
