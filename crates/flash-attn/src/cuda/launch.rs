@@ -219,7 +219,7 @@ unsafe impl DeviceRepr for BwdParams {}
 
 /// Why the CUDA kernels cannot run this problem, if they cannot; else the compiled tile width
 /// that runs its head dim.
-fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) -> Result<usize> {
+pub(crate) fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) -> Result<usize> {
     let pass = if backward { "backward" } else { "forward" };
     let unsupported = |what: &str| Err(Error::Unsupported(format!("the CUDA {pass} does not support {what} yet")));
     if dtype == DType::F32 {

@@ -474,6 +474,8 @@ pub fn forward_host_variant<T: CudaElement>(
     variant: Option<Variant>,
 ) -> Result<Output<T>> {
     let g = Geometry::new(spec, q, k, v)?;
+    // What the kernels cannot do is said before whether a device is there.
+    launch::check_supported(&g, T::DTYPE, false)?;
     let dev = default_device()?;
     let variant = match variant {
         Some(v) => v,
@@ -530,6 +532,7 @@ pub fn backward_host_variant<T: CudaElement>(
     variant: Option<BwdVariant>,
 ) -> Result<Gradients<T>> {
     let g = Geometry::new(spec, q, k, v)?;
+    launch::check_supported(&g, T::DTYPE, true)?;
     let dev = default_device()?;
     let variant = match variant {
         Some(v) => v,
