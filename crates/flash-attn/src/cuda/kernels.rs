@@ -313,10 +313,11 @@ impl BwdVariant {
         Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: false, wgmma: false })
     }
 
-    /// The Hopper (sm_90a) variant for `dtype` and head dim `d`: two warpgroups (128 keys); 64
-    /// queries per tile at d = 128, 128 at d = 64 (a warpgroup's piece of dQ is 64 queries x a
-    /// multiple of 64 columns). One warpgroup per block (two blocks per multiprocessor) measured
-    /// slower at both (docs/cuda-notes.md, Hopper backward).
+    /// The Hopper (sm_90a) variant for `dtype` and head dim `d`, the fastest measured on an H100
+    /// (docs/cuda-notes.md, Hopper backward): two warpgroups (128 keys); 64 queries per tile at
+    /// d = 128, 128 at d = 64 (a warpgroup's piece of dQ is then 64 queries x 64 columns). One
+    /// warpgroup per block (two blocks per multiprocessor), and d = 64 on 64 queries, measured
+    /// slower.
     pub fn hopper_for(dtype: DType, d: usize) -> Option<BwdVariant> {
         if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
@@ -356,6 +357,11 @@ impl BwdVariant {
                     v.push(h);
                     // One warpgroup per block, 64 queries (two blocks per multiprocessor).
                     v.push(BwdVariant { br: 64, warps: 4, ..h });
+                    // d = 64 on 64 queries a tile (dQ pieces of 32 columns, Sᵀ and dPᵀ in flight
+                    // together): correct, measured 9-14% slower than 128 queries.
+                    if d == 64 {
+                        v.push(BwdVariant { br: 64, ..h });
+                    }
                 }
             }
         }

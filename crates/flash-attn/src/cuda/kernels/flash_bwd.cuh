@@ -221,7 +221,9 @@ struct FlashBwd {
     static constexpr int NSPLIT = WGS / (BR / 64);
     static_assert(NSPLIT >= 1 && WGS % (BR / 64) == 0, "every warpgroup one dQ piece");
     static constexpr int NQ = D / NSPLIT;
-    static_assert(NQ % 64 == 0, "dQ pieces of whole 64-column blocks (B descriptors start on them)");
+    // A piece narrower than a 64-column block starts its B descriptor inside the 128-byte rows:
+    // the swizzle is a function of the address, so the start moves by 2 bytes a column.
+    static_assert(NQ % 32 == 0 && (NQ % 64 == 0 || NSPLIT == 2), "dQ pieces of 32-column halves or whole blocks");
 #endif
 
     // A ROWS x D tile copy in the layout the products read: wgmma's or ldmatrix's swizzle.
@@ -381,7 +383,7 @@ struct FlashBwd {
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) {
             const u64 da = gmma_desc(sDS + (u32)((m0 / 64) * BC * 128 + kk * 16 * 128), BC * 128, 1024);
-            const u64 db = gmma_desc(sK + (u32)((n0 / 64) * BC * 128 + kk * 16 * 128), BC * 128, 1024);
+            const u64 db = gmma_desc(sK + (u32)((n0 / 64) * BC * 128 + (n0 % 64) * 2 + kk * 16 * 128), BC * 128, 1024);
             wgmma_ss<NQ, 1, 1>(d, da, db, kk > 0);
         }
         wgmma_commit();

@@ -58,6 +58,39 @@ __device__ __forceinline__ u64 gmma_desc(u32 addr, u32 lbo, u32 sbo) {
     return d;
 }
 
+// D[64 x 32] (+)= A[64 x 16] · B[16 x 32]: A and B from shared memory (descriptors; K-major, or
+// MN-major where TA / TB is 1 and the instruction transposes); D is overwritten when scale_d == 0.
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n32(FragC (&d)[4], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." FA_AB "." FA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1, %19, %20;\n"
+        "}\n"
+        : "+f"(d[0].x[0]), "+f"(d[0].x[1]), "+f"(d[0].x[2]), "+f"(d[0].x[3]), "+f"(d[1].x[0]), "+f"(d[1].x[1]), "+f"(d[1].x[2]), "+f"(d[1].x[3]),
+          "+f"(d[2].x[0]), "+f"(d[2].x[1]), "+f"(d[2].x[2]), "+f"(d[2].x[3]), "+f"(d[3].x[0]), "+f"(d[3].x[1]), "+f"(d[3].x[2]), "+f"(d[3].x[3])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
+}
+
+// D[64 x 32] += A[64 x 16] · B[16 x 32]: A from registers (a FragA per warp), B from shared
+// memory stored [k][n] (MN-major, transposed by the instruction).
+__device__ __forceinline__ void wgmma_rs_n32(FragC (&d)[4], const FragA& a, u64 desc_b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." FA_AB "." FA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0].x[0]), "+f"(d[0].x[1]), "+f"(d[0].x[2]), "+f"(d[0].x[3]), "+f"(d[1].x[0]), "+f"(d[1].x[1]), "+f"(d[1].x[2]), "+f"(d[1].x[3]),
+          "+f"(d[2].x[0]), "+f"(d[2].x[1]), "+f"(d[2].x[2]), "+f"(d[2].x[3]), "+f"(d[3].x[0]), "+f"(d[3].x[1]), "+f"(d[3].x[2]), "+f"(d[3].x[3])
+        : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "l"(desc_b));
+}
+
 // D[64 x 64] (+)= A[64 x 16] · B[16 x 64]: A and B from shared memory (descriptors; K-major, or
 // MN-major where TA / TB is 1 and the instruction transposes); D is overwritten when scale_d == 0.
 template <int TA, int TB>
@@ -204,17 +237,19 @@ __device__ __forceinline__ void wgmma_rs_n256(FragC (&d)[32], const FragA& a, u6
 // Width-generic entry points.
 template <int N, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_ss(FragC (&d)[N / 8], u64 desc_a, u64 desc_b, int scale_d) {
-    if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, desc_a, desc_b, scale_d);
+    if constexpr (N == 32) wgmma_ss_n32<TA, TB>(d, desc_a, desc_b, scale_d);
+    else if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, desc_a, desc_b, scale_d);
     else if constexpr (N == 128) wgmma_ss_n128<TA, TB>(d, desc_a, desc_b, scale_d);
     else if constexpr (N == 256) wgmma_ss_n256<TA, TB>(d, desc_a, desc_b, scale_d);
-    else static_assert(N == 64, "wgmma_ss: unsupported N");
+    else static_assert(N == 32, "wgmma_ss: unsupported N");
 }
 template <int N>
 __device__ __forceinline__ void wgmma_rs(FragC (&d)[N / 8], const FragA& a, u64 desc_b) {
-    if constexpr (N == 64) wgmma_rs_n64(d, a, desc_b);
+    if constexpr (N == 32) wgmma_rs_n32(d, a, desc_b);
+    else if constexpr (N == 64) wgmma_rs_n64(d, a, desc_b);
     else if constexpr (N == 128) wgmma_rs_n128(d, a, desc_b);
     else if constexpr (N == 256) wgmma_rs_n256(d, a, desc_b);
-    else static_assert(N == 64, "wgmma_rs: unsupported N");
+    else static_assert(N == 32, "wgmma_rs: unsupported N");
 }
 
 #endif  // FA_WGMMA
