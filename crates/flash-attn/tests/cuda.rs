@@ -53,6 +53,45 @@ fn head_dims_pad_to_the_compiled_tile_widths() {
 }
 
 #[test]
+fn hopper_variants_are_chosen_on_sm90a_only() {
+    let (sm80, sm90a) = (Arch("sm_80".into()), Arch("sm_90a".into()));
+    let mut names = std::collections::HashSet::new();
+    for v in Variant::all() {
+        assert!(names.insert(v.name()), "two variants named {}", v.name());
+        assert_eq!(v.runs_on(&sm80), !v.wgmma, "{}", v.name());
+        assert!(v.runs_on(&sm90a), "{}", v.name());
+    }
+    for v in BwdVariant::all() {
+        assert!(names.insert(v.name()), "two variants named {}", v.name());
+        assert_eq!(v.runs_on(&sm80), !v.wgmma, "{}", v.name());
+        // The Hopper backward has no spill budget: it must compile spill-free.
+        if v.wgmma {
+            assert_eq!(v.spill_budget(), 0, "{}", v.name());
+        }
+    }
+    for dtype in [DType::BF16, DType::F16] {
+        for d in HEAD_DIMS {
+            let h = Variant::default_on(&sm90a, dtype, d).expect("a forward variant");
+            assert!(h.wgmma && h.runs_on(&sm90a) && h.d == d && h.dtype == dtype && !h.extras);
+            let x = Variant::extras_on(&sm90a, dtype, d).expect("an extras variant");
+            assert!(x.wgmma && x.extras && x.d == d);
+            let a = Variant::default_on(&sm80, dtype, d).expect("a forward variant");
+            assert!(!a.wgmma && a.runs_on(&sm80));
+            assert!(!Variant::extras_on(&sm80, dtype, d).expect("an extras variant").wgmma);
+        }
+        for d in BWD_HEAD_DIMS {
+            let h = BwdVariant::default_on(&sm90a, dtype, d, false).expect("a backward variant");
+            assert!(h.wgmma && h.d == d && !h.extras);
+            // With the extras the Hopper backward spills: the mma.sync one runs them.
+            let x = BwdVariant::default_on(&sm90a, dtype, d, true).expect("a backward variant");
+            assert!(!x.wgmma && x.extras);
+            assert!(!BwdVariant::default_on(&sm80, dtype, d, false).expect("a backward variant").wgmma);
+        }
+    }
+    assert_eq!(Variant::default_on(&sm90a, DType::F32, 64), None);
+}
+
+#[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
 fn head_dims_between_the_tile_widths_meet_the_contract() {
     cuda::default_device().expect("a CUDA device");

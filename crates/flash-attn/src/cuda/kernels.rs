@@ -83,8 +83,8 @@ impl Variant {
     }
 
     /// Dynamic shared memory, 2 bytes an element: the Q tile plus one K and one V tile; the
-    /// Hopper kernel keeps two K and V tiles (two stages) and 1 KiB of slack to align the tiles
-    /// to the 1024-byte period of the 128-byte swizzle.
+    /// Hopper kernel keeps two buffers each of K and V, and 1 KiB of slack to align the tiles to
+    /// the 1024-byte period of the 128-byte swizzle.
     pub fn smem_bytes(&self) -> usize {
         if self.wgmma {
             (self.block_rows() + 4 * self.bc) * self.d * 2 + 1024
@@ -162,8 +162,9 @@ impl Variant {
         Some(if d == 64 { Variant { bc: 128, ..v } } else { v })
     }
 
-    /// The mma.sync variant (sm_80 and up) used for `dtype` and tile width `d` (one of [`HEAD_DIMS`]), if supported: the
-    /// fastest spill-free tile shape measured on an H100 (docs/cuda-notes.md): d = 64, 32 rows
+    /// The mma.sync variant (sm_80 and up) used for `dtype` and tile width `d` (one of
+    /// [`HEAD_DIMS`]), if supported: the fastest spill-free tile shape measured on an H100
+    /// (docs/cuda-notes.md): d = 64, 32 rows
     /// per warp, 64 keys per tile, 4 warps (FlashAttention-2's shape); d = 128, 16 rows per warp,
     /// 128 keys, 8 warps (32 rows per warp spills at d = 128 and was slower from s = 1024 on);
     /// d = 256, 16 rows per warp, 64 keys, 8 warps (128 keys spill).
