@@ -612,8 +612,8 @@ impl VariantReport {
 pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
     nvrtc::available()?;
     let (fwd_source, bwd_source) = (kernels::forward_source(), kernels::backward_source());
-    // (name, program, options, spill budget) of every variant; a backward program holds three
-    // kernels and ptxas_usage reports the largest, the main kernel's.
+    // (name, program, options, spill budget, Hopper-only) of every variant; a backward program
+    // holds three kernels and ptxas_usage reports the largest, the main kernel's.
     let programs: Vec<(String, &str, Vec<String>, u32, bool)> = Variant::all()
         .into_iter()
         .map(|v| (v.name(), fwd_source.as_str(), v.options(), 0, v.wgmma))
