@@ -140,7 +140,8 @@ pub struct Gradients<T> {
 /// forward's `out` and `lse`, and `dout` (shaped like `out`).
 ///
 /// Scores and probabilities are recomputed tile by tile from `lse` (nothing `N × N` is stored);
-/// extra memory is an `f32` `dQ` accumulator and one float per query row. Results are bitwise
+/// extra memory is an `f32` `dQ` accumulator, one float per query row, and per thread its tiles
+/// (for bf16, a cache of packed query tiles of at most 4 MiB per thread). Results are bitwise
 /// identical across runs and thread counts. With dropout, the keep mask is regenerated from the
 /// spec's `(seed, offset)`, which must be those of the forward pass.
 pub fn backward<T: Element>(
