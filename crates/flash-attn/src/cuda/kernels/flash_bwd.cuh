@@ -567,8 +567,8 @@ struct FlashBwd {
             // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
             FragC s[NT];
 #if FA_WGMMA
-            // Sᵀ and dPᵀ = V dOᵀ back to back; dV and dK below stay in flight under the element-wise
-            // work until dQ's wait.
+            // Sᵀ and (SDP_TOGETHER) dPᵀ = V dOᵀ back to back; dK, and dV where SDP_TOGETHER, stay
+            // in flight under the element-wise work until the wait before dQ.
             static_assert(PARTS == 1, "the Hopper kernel computes dPᵀ whole");
             FragC dp[NT];
             FragA pa[BR / 16], da[NT / 2];
