@@ -14,7 +14,7 @@
 //! fwd_ms`) plus `tflops` and `variant`; times are medians of CUDA-event-timed runs after a
 //! warm-up, on inputs drawn from a normal distribution.
 
-use flash_attn::check::{compare_gradients, report, BlockCase, Case, CaseData, Rng, Storage};
+use flash_attn::check::{compare_gradients, report, BackwardReport, BlockCase, Case, CaseData, Rng, Storage};
 use flash_attn::cuda::{self, Arch, BwdVariant, DeviceTensor, DeviceTensorMut, Variant};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Result};
 use half::{bf16, f16};
@@ -101,8 +101,8 @@ fn check(cases: usize, seed: u64) -> Result<()> {
         done += 1;
         let case = random_case(&mut rng);
         let rep = match case.dtype {
-            DType::BF16 => run_case::<bf16>(&case)?,
-            _ => run_case::<f16>(&case)?,
+            DType::BF16 => run_case::<bf16>(&case, None)?,
+            _ => run_case::<f16>(&case, None)?,
         };
         let ratio = |c: &flash_attn::check::Comparison| c.max_err / c.bound.max(f64::MIN_POSITIVE);
         worst_out = worst_out.max(ratio(&rep.out));
@@ -123,29 +123,30 @@ fn check(cases: usize, seed: u64) -> Result<()> {
     Ok(())
 }
 
-fn run_case<T: cuda::CudaElement>(case: &Case) -> Result<flash_attn::check::CaseReport> {
+/// One forward case against the oracle on `variant` (`None`: the default).
+fn run_case<T: cuda::CudaElement>(case: &Case, variant: Option<Variant>) -> Result<flash_attn::check::CaseReport> {
     let data: CaseData<T> = case.data::<T>();
     let spec = case.spec(&data);
     let [q, k, v] = data.views();
-    let ours = cuda::forward_host(&spec, &q, &k, &v)?;
+    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, variant)?;
     let oracle = reference::forward(&spec, &q, &k, &v)?;
     let naive = reference::naive(&spec, &q, &k, &v)?;
     Ok(report(&ours.out, &ours.lse, &oracle, &naive, case.dtype))
 }
 
-fn variant_case<T: cuda::CudaElement>(case: &Case, variant: Variant) -> Result<flash_attn::check::CaseReport> {
-    let data: CaseData<T> = case.data::<T>();
-    let spec = case.spec(&data);
-    let [q, k, v] = data.views();
-    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, Some(variant))?;
-    let oracle = reference::forward(&spec, &q, &k, &v)?;
-    let naive = reference::naive(&spec, &q, &k, &v)?;
-    Ok(report(&ours.out, &ours.lse, &oracle, &naive, case.dtype))
-}
-
-fn bwd_variant_case<T: cuda::CudaElement>(case: &Case, variant: BwdVariant, deterministic: bool) -> Result<bool> {
+/// One forward + backward case against the oracle: dropout `(p, seed, offset)` or none, backward
+/// `variant` (`None`: the default), deterministic or not.
+fn bwd_case<T: cuda::CudaElement>(
+    case: &Case,
+    dropout: Option<(f32, u64, u32)>,
+    variant: Option<BwdVariant>,
+    deterministic: bool,
+) -> Result<BackwardReport> {
     let data: CaseData<T> = case.data::<T>();
     let mut spec = case.spec(&data);
+    if let Some((p, seed, offset)) = dropout {
+        spec = spec.dropout(p, seed, offset);
+    }
     if deterministic {
         spec = spec.deterministic();
     }
@@ -154,8 +155,8 @@ fn bwd_variant_case<T: cuda::CudaElement>(case: &Case, variant: BwdVariant, dete
     let dout = flash_attn::Tensor::new(&dout, &dout_shape);
     let fwd = cuda::forward_host(&spec, &q, &k, &v)?;
     let out = flash_attn::Tensor::new(&fwd.out, &fwd.out_shape);
-    let grads = cuda::backward_host_variant(&spec, &q, &k, &v, &out, &fwd.lse, &dout, Some(variant))?;
-    Ok(compare_gradients(&spec, &grads, &data, &dout, case.dtype)?.passed())
+    let grads = cuda::backward_host_variant(&spec, &q, &k, &v, &out, &fwd.lse, &dout, variant)?;
+    compare_gradients(&spec, &grads, &data, &dout, case.dtype)
 }
 
 fn sanitize() -> Result<()> {
@@ -179,7 +180,7 @@ fn sanitize() -> Result<()> {
         c.varlen = varlen;
         c.seqlens = if varlen { vec![(37, 150), (130, 61), (0, 5)] } else { vec![(131, 77); 2] };
         c.window = None;
-        let rep = run_case::<bf16>(&c)?;
+        let rep = run_case::<bf16>(&c, None)?;
         println!("sanitize case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
         // Softcap, ALiBi and a block mask whose blocks do not divide the tiles in one run; the
         // deterministic run with a tile-aligned mask (hidden tiles still take their turn).
@@ -194,21 +195,7 @@ fn sanitize() -> Result<()> {
             if deterministic {
                 c.block = Some(BlockCase { block_q: 64, block_k: 64, per_head: false, density_pct: 50 });
             }
-            let data = c.data::<bf16>();
-            let mut spec = c.spec(&data);
-            if let Some((p, seed, offset)) = dropout {
-                spec = spec.dropout(p, seed, offset);
-            }
-            if deterministic {
-                spec = spec.deterministic();
-            }
-            let [q, k, v] = data.views();
-            let (dout, dout_shape) = c.dout(&data)?;
-            let dout = flash_attn::Tensor::new(&dout, &dout_shape);
-            let fwd = cuda::forward_host(&spec, &q, &k, &v)?;
-            let out = flash_attn::Tensor::new(&fwd.out, &fwd.out_shape);
-            let grads = cuda::backward_host(&spec, &q, &k, &v, &out, &fwd.lse, &dout)?;
-            let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype)?;
+            let rep = bwd_case::<bf16>(&c, dropout, None, deterministic)?;
             println!(
                 "sanitize case {i} backward (dropout {dropout:?}, deterministic {deterministic}, softcap+ALiBi+block \
                  mask {mods}): {}",
@@ -227,8 +214,8 @@ fn sanitize() -> Result<()> {
             (c.softcap, c.alibi, c.block) = (None, None, None);
         }
         let rep = match variant.dtype {
-            DType::F16 => variant_case::<f16>(&c, variant)?,
-            _ => variant_case::<bf16>(&c, variant)?,
+            DType::F16 => run_case::<f16>(&c, Some(variant))?,
+            _ => run_case::<bf16>(&c, Some(variant))?,
         };
         println!("sanitize variant {i} {}: {c}: {}", variant.name(), if rep.passed() { "pass" } else { "FAIL" });
     }
@@ -242,9 +229,10 @@ fn sanitize() -> Result<()> {
             (c.softcap, c.alibi, c.block) = (None, None, None);
         }
         let passed = match variant.dtype {
-            DType::F16 => bwd_variant_case::<f16>(&c, variant, i % 2 == 1)?,
-            _ => bwd_variant_case::<bf16>(&c, variant, i % 2 == 1)?,
-        };
+            DType::F16 => bwd_case::<f16>(&c, None, Some(variant), i % 2 == 1)?,
+            _ => bwd_case::<bf16>(&c, None, Some(variant), i % 2 == 1)?,
+        }
+        .passed();
         println!("sanitize backward variant {i} {}: {c}: {}", variant.name(), if passed { "pass" } else { "FAIL" });
     }
     // Forward-only head dims past the backward's widest tile.
@@ -252,13 +240,7 @@ fn sanitize() -> Result<()> {
         let mut c = random_case(&mut rng);
         (c.d, c.dv, c.varlen, c.window) = (d, d, varlen, None);
         c.seqlens = if varlen { vec![(37, 150), (130, 61), (0, 5)] } else { vec![(131, 77); 2] };
-        let data = c.data::<bf16>();
-        let spec = c.spec(&data);
-        let [q, k, v] = data.views();
-        let ours = cuda::forward_host(&spec, &q, &k, &v)?;
-        let oracle = reference::forward(&spec, &q, &k, &v)?;
-        let naive = reference::naive(&spec, &q, &k, &v)?;
-        let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
+        let rep = run_case::<bf16>(&c, None)?;
         println!("sanitize forward-only case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
     }
     Ok(())

@@ -111,8 +111,8 @@ fn head_dims_between_the_tile_widths_meet_the_contract() {
             assert!(rep.passed(), "{c}: {rep}");
             if d <= 128 {
                 match c.dtype {
-                    DType::F16 => backward_case::<half::f16>(&c, None),
-                    _ => backward_case::<bf16>(&c, None),
+                    DType::F16 => backward_case::<half::f16>(&c, None, None, false),
+                    _ => backward_case::<bf16>(&c, None, None, false),
                 }
             }
         }
@@ -143,14 +143,7 @@ fn forward_meets_the_numerics_contract_on_random_cases() {
         if let Storage::Strided { .. } = c.storage {
             c.storage = Storage::Strided { pad: 8 };
         }
-        let data = c.data::<bf16>();
-        let spec = c.spec(&data);
-        let [q, k, v] = data.views();
-        let ours = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
-        let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
-        let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
-        let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
-        assert!(rep.passed(), "{c}: {rep}");
+        forward_variant_case::<bf16>(&c, None);
     }
 }
 
@@ -174,22 +167,24 @@ fn every_forward_variant_on_the_device_meets_the_contract() {
                 (c.softcap, c.alibi, c.block) = (None, None, None);
             }
             match variant.dtype {
-                DType::F16 => forward_variant_case::<f16>(&c, variant),
-                _ => forward_variant_case::<bf16>(&c, variant),
+                DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
+                _ => forward_variant_case::<bf16>(&c, Some(variant)),
             }
         }
     }
 }
 
-fn forward_variant_case<T: cuda::CudaElement>(c: &Case, variant: Variant) {
+/// One forward case against the oracle, on `variant` (`None`: the default).
+fn forward_variant_case<T: cuda::CudaElement>(c: &Case, variant: Option<Variant>) {
     let data = c.data::<T>();
     let spec = c.spec(&data);
     let [q, k, v] = data.views();
-    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, Some(variant)).expect("cuda forward");
+    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, variant).expect("cuda forward");
     let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
     let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
     let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
-    assert!(rep.passed(), "{} on {c}: {rep}", variant.name());
+    let name = variant.map(|v| v.name()).unwrap_or_default();
+    assert!(rep.passed(), "{name} on {c}: {rep}");
 }
 
 #[test]
@@ -262,16 +257,26 @@ fn every_backward_variant_on_the_device_meets_the_contract() {
             }
             let deterministic = n % 3 == 1;
             match variant.dtype {
-                DType::F16 => backward_variant_case::<f16>(&c, variant, deterministic),
-                _ => backward_variant_case::<bf16>(&c, variant, deterministic),
+                DType::F16 => backward_case::<f16>(&c, None, Some(variant), deterministic),
+                _ => backward_case::<bf16>(&c, None, Some(variant), deterministic),
             }
         }
     }
 }
 
-fn backward_variant_case<T: cuda::CudaElement>(c: &Case, variant: BwdVariant, deterministic: bool) {
+/// One forward + backward case against the oracle: with dropout `(p, seed, offset)` or not, on
+/// backward `variant` (`None`: the default), deterministic or not.
+fn backward_case<T: cuda::CudaElement>(
+    c: &Case,
+    dropout: Option<(f32, u64, u32)>,
+    variant: Option<BwdVariant>,
+    deterministic: bool,
+) {
     let data = c.data::<T>();
     let mut spec = c.spec(&data);
+    if let Some((p, seed, offset)) = dropout {
+        spec = spec.dropout(p, seed, offset);
+    }
     if deterministic {
         spec = spec.deterministic();
     }
@@ -280,26 +285,10 @@ fn backward_variant_case<T: cuda::CudaElement>(c: &Case, variant: BwdVariant, de
     let dout = Tensor::new(&dout, &dout_shape);
     let fwd = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
     let out = Tensor::new(&fwd.out, &fwd.out_shape);
-    let grads =
-        cuda::backward_host_variant(&spec, &q, &k, &v, &out, &fwd.lse, &dout, Some(variant)).expect("cuda backward");
+    let grads = cuda::backward_host_variant(&spec, &q, &k, &v, &out, &fwd.lse, &dout, variant).expect("cuda backward");
     let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype).expect("oracle");
-    assert!(rep.passed(), "{} on {c} (deterministic {deterministic}): {rep}", variant.name());
-}
-
-fn backward_case<T: flash_attn::cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>) {
-    let data = c.data::<T>();
-    let mut spec = c.spec(&data);
-    if let Some((p, seed, offset)) = dropout {
-        spec = spec.dropout(p, seed, offset);
-    }
-    let [q, k, v] = data.views();
-    let (dout, dout_shape) = c.dout(&data).expect("dout");
-    let dout = Tensor::new(&dout, &dout_shape);
-    let fwd = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
-    let out = Tensor::new(&fwd.out, &fwd.out_shape);
-    let grads = cuda::backward_host(&spec, &q, &k, &v, &out, &fwd.lse, &dout).expect("cuda backward");
-    let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype).expect("oracle");
-    assert!(rep.passed(), "{c} dropout {dropout:?}: {rep}");
+    let name = variant.map(|v| v.name()).unwrap_or_default();
+    assert!(rep.passed(), "{name} on {c} dropout {dropout:?} deterministic {deterministic}: {rep}");
 }
 
 /// Block-sparse masks, forward and backward: block sizes smaller than, equal to, not dividing and
@@ -331,7 +320,7 @@ fn block_sparse_masks_meet_the_contract() {
             let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
             let rep = report(&ours.out, &ours.lse, &oracle, &naive, DType::BF16);
             assert!(rep.passed(), "{c}: {rep}");
-            backward_case::<bf16>(&c, None);
+            backward_case::<bf16>(&c, None, None, false);
         }
     }
 }
@@ -345,8 +334,8 @@ fn backward_meets_the_numerics_contract_on_random_cases() {
         let c = random_cuda_case(&mut rng);
         let dropout = (n % 3 == 0).then(|| (rng.pick(&[0.1f32, 0.3, 0.5]), rng.next_u64(), rng.next_u64() as u32));
         match c.dtype {
-            DType::BF16 => backward_case::<bf16>(&c, dropout),
-            _ => backward_case::<half::f16>(&c, dropout),
+            DType::BF16 => backward_case::<bf16>(&c, dropout, None, false),
+            _ => backward_case::<half::f16>(&c, dropout, None, false),
         }
     }
 }

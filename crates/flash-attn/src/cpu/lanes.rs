@@ -59,3 +59,21 @@ pub unsafe fn store_epi32(p: *mut u32, k: __mmask16, v: __m512i) {
         }
     }
 }
+
+/// Two rows of 32 bf16 (`lo`, `hi`, each with its first 16 values in the low 256 bits, as
+/// `_mm512_cvtne2ps_pbh` packs them) interleaved into the 32-bit words `lo[c] | hi[c] << 16` of
+/// columns 0..16 and 16..32: the row-pair layout of the bf16 products.
+///
+/// # Safety
+/// AVX-512F available.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub unsafe fn interleave_rows(lo: __m512i, hi: __m512i) -> (__m512i, __m512i) {
+    let word = |half_l: __m256i, half_h: __m256i| {
+        _mm512_or_si512(_mm512_cvtepu16_epi32(half_l), _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half_h)))
+    };
+    (
+        word(_mm512_castsi512_si256(lo), _mm512_castsi512_si256(hi)),
+        word(_mm512_extracti64x4_epi64::<1>(lo), _mm512_extracti64x4_epi64::<1>(hi)),
+    )
+}

@@ -250,7 +250,7 @@ pub(super) fn ds_to_pairs(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::lanes::{load_ps, store_epi32};
+    use super::super::lanes::{interleave_rows, load_ps, store_epi32};
 
     /// The first `k` of 16 lanes.
     fn mask(k: usize) -> __mmask16 {
@@ -304,14 +304,7 @@ mod x86 {
                     store_epi32(khi.add(j / 2), kw, bh);
                 }
                 // And interleaved across the two rows: word c = lo[c] | hi[c] << 16.
-                let word = |half_l: __m256i, half_h: __m256i| {
-                    _mm512_or_si512(
-                        _mm512_cvtepu16_epi32(half_l),
-                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half_h)),
-                    )
-                };
-                let w0 = word(_mm512_castsi512_si256(bl), _mm512_castsi512_si256(bh));
-                let w1 = word(_mm512_extracti64x4_epi64::<1>(bl), _mm512_extracti64x4_epi64::<1>(bh));
+                let (w0, w1) = interleave_rows(bl, bh);
                 store_epi32(rp.add(j), k0, w0);
                 store_epi32(rp.wrapping_add(j + 16), k1, w1);
             }

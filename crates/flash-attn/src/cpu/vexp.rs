@@ -98,7 +98,7 @@ pub fn exp_scaled_row_pairs(lo: (&mut [f32], f32), hi: Option<(&mut [f32], f32)>
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::lanes::{load_ps, store_epi32, store_ps};
+    use super::super::lanes::{interleave_rows, load_ps, store_epi32, store_ps};
 
     /// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)`.
     const C: [f32; 8] = [
@@ -234,14 +234,7 @@ mod x86 {
                 // lo[c] | hi[c] << 16.
                 let bl: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(l1, l0));
                 let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h1, h0));
-                let word = |half_l: __m256i, half_h: __m256i| {
-                    _mm512_or_si512(
-                        _mm512_cvtepu16_epi32(half_l),
-                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half_h)),
-                    )
-                };
-                let w0 = word(_mm512_castsi512_si256(bl), _mm512_castsi512_si256(bh));
-                let w1 = word(_mm512_extracti64x4_epi64::<1>(bl), _mm512_extracti64x4_epi64::<1>(bh));
+                let (w0, w1) = interleave_rows(bl, bh);
                 store_epi32(dp.add(j), k0, w0);
                 store_epi32(dp.wrapping_add(j + 16), k1, w1);
             }

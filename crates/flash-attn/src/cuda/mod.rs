@@ -50,8 +50,18 @@ pub use kernels::{padded_head_dim, BwdVariant, Variant, BWD_HEAD_DIMS, HEAD_DIMS
 pub use nvrtc::Arch;
 
 /// Whether a caller's kernel variant `(dtype, tile width, extras)` can run a problem that needs
-/// `need` (the problem's dtype, tile width and whether it needs the extras); `d` is its head dim.
-fn check_fit(name: &str, have: (DType, usize, bool), need: (DType, usize, bool), d: usize) -> Result<()> {
+/// `need` (the problem's dtype, tile width and whether it needs the extras) on a device where it
+/// `runs` (see [`Variant::runs_on`]) or not, `arch`; `d` is the problem's head dim.
+fn check_fit(
+    name: &str,
+    (runs, arch): (bool, &Arch),
+    have: (DType, usize, bool),
+    need: (DType, usize, bool),
+    d: usize,
+) -> Result<()> {
+    if !runs {
+        return Err(Error::Unsupported(format!("variant {name} does not run on {}", arch.0)));
+    }
     if have.0 != need.0 || have.1 != need.1 || (need.2 && !have.2) {
         return Err(Error::Unsupported(format!(
             "variant {name} does not fit {} d = {d} (tile width {}{})",
@@ -280,11 +290,9 @@ impl Device {
         // variant if it asked for one that fits.
         let default = launch::supported(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
-        if !variant.runs_on(&self.arch) {
-            return Err(Error::Unsupported(format!("variant {} does not run on {}", variant.name(), self.arch.0)));
-        }
         check_fit(
             &variant.name(),
+            (variant.runs_on(&self.arch), &self.arch),
             (variant.dtype, variant.d, variant.extras),
             (T::DTYPE, default.d, default.extras),
             g.d,
@@ -371,11 +379,9 @@ impl Device {
         )?;
         let default = launch::supported_backward(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
-        if !variant.runs_on(&self.arch) {
-            return Err(Error::Unsupported(format!("variant {} does not run on {}", variant.name(), self.arch.0)));
-        }
         check_fit(
             &variant.name(),
+            (variant.runs_on(&self.arch), &self.arch),
             (variant.dtype, variant.d, variant.extras),
             (T::DTYPE, default.d, default.extras),
             g.d,

@@ -212,9 +212,11 @@ struct FlashBwd {
     // With 128, that many live registers spill, so dPᵀ is issued once dV (waited for) has freed
     // Pᵀ's registers.
     static constexpr bool SDP_TOGETHER = FA_WGMMA != 0 && BR == 64;
+    // Tiles in the layout the products read: wgmma's, or ldmatrix's swizzle.
+    static constexpr bool GMMA = FA_WGMMA != 0;
 #if FA_WGMMA
     // A warpgroup (4 warps, 64 keys) issues each product for its keys: Sᵀ and dPᵀ as
-    // m64 x BR / PARTS, dV and dK as m64 x D. Tiles in the wgmma layout (load_tile_gmma).
+    // m64 x BR / PARTS, dV and dK as m64 x D. Tiles in the wgmma layout (GMMA).
     static_assert(WARPS % 4 == 0, "whole warpgroups");
     static constexpr int WGS = WARPS / 4;
     // dQ = dS K (BR x D over the BC keys): warpgroup w takes 64 query rows and NQ columns.
@@ -225,17 +227,6 @@ struct FlashBwd {
     // the swizzle is a function of the address, so the start moves by 2 bytes a column.
     static_assert(NQ % 32 == 0 && (NQ % 64 == 0 || NSPLIT == 2), "dQ pieces of 32-column halves or whole blocks");
 #endif
-
-    // A ROWS x D tile copy in the layout the products read: wgmma's or ldmatrix's swizzle.
-    template <int ROWS>
-    static __device__ __forceinline__ void load_tile_any(u32 tile, const u16* g, long long row_stride, int rows_valid,
-                                                         int cols_valid, int tid) {
-#if FA_WGMMA
-        load_tile_gmma<ROWS, D, THREADS>(tile, g, row_stride, rows_valid, cols_valid, tid);
-#else
-        load_tile_async<ROWS, D, THREADS>(tile, g, row_stride, rows_valid, cols_valid, tid);
-#endif
-    }
 
     // Where chunk `chunk` of row `row` of the dSᵀ tile ([key][query]) lives.
     static __device__ __forceinline__ u32 ds_offset(int row, int chunk) {
@@ -504,10 +495,12 @@ struct FlashBwd {
             const int rows_valid = min(BR, sq - row0);
             const BlockCoords c = block_coords(p);
             const long long tok = c.q_start + row0;
-            load_tile_any<BR>(sQ0 + buf * Q_BYTES, p.q + c.b * p.q_batch + tok * p.q_row + h * p.q_head, p.q_row,
-                              rows_valid, p.d, tid);
-            load_tile_any<BR>(sDO0 + buf * Q_BYTES, p.dout + c.b * p.do_batch + tok * p.do_row + h * p.do_head,
-                              p.do_row, rows_valid, p.d, tid);
+            load_tile_async<BR, D, THREADS, GMMA>(sQ0 + buf * Q_BYTES,
+                                                  p.q + c.b * p.q_batch + tok * p.q_row + h * p.q_head, p.q_row,
+                                                  rows_valid, p.d, tid);
+            load_tile_async<BR, D, THREADS, GMMA>(sDO0 + buf * Q_BYTES,
+                                                  p.dout + c.b * p.do_batch + tok * p.do_row + h * p.do_head,
+                                                  p.do_row, rows_valid, p.d, tid);
             const long long li = c.b * p.lse_batch + h * p.lse_head + tok;
             load_row_floats(sL0 + buf * ROW_BYTES, p.lse + li, rows_valid, tid);
             load_row_floats(sD0 + buf * ROW_BYTES, p.dpsum + li, rows_valid, tid);
@@ -534,8 +527,8 @@ struct FlashBwd {
 
         bool all_on;
         int w = next_item(0, all_on), buf = 0;
-        load_tile_any<BC>(sK, gK, p.k_row, keys_valid, p.d, tid);
-        load_tile_any<BC>(sV, gV, p.v_row, keys_valid, p.d, tid);
+        load_tile_async<BC, D, THREADS, GMMA>(sK, gK, p.k_row, keys_valid, p.d, tid);
+        load_tile_async<BC, D, THREADS, GMMA>(sV, gV, p.v_row, keys_valid, p.d, tid);
         if (w < work) prefetch(w, buf);
         cp_async_commit();
 

@@ -356,7 +356,7 @@ struct FlashFwd {
 // The Hopper forward (sm_90a, FA_WGMMA = 1): the same algorithm, block order, masks, softmax and
 // store as FlashFwd, with both products on warpgroup MMAs (wgmma.cuh). A block is WARPS / 4
 // warpgroups of 64 query rows each (a warp keeps its 16 rows: FA_MT must be 1); Q, K and V sit
-// in shared memory in the wgmma's 128-byte-swizzled layout (load_tile_gmma), K and V in two
+// in shared memory in the wgmma's 128-byte-swizzled layout (load_tile_async<..., true>), K and V in two
 // buffers each, filled one iteration before they are read. S = Q·Kᵀ reads both operands from
 // shared memory; O += P·V takes P from the registers and V transposed by the instruction. With
 // OVERLAP, S of tile j and P·V of tile j - 1 are in flight together and the softmax of tile j runs
@@ -476,7 +476,7 @@ struct FlashFwdSm90 {
         };
         auto load_tile = [&](int n, u32 tile, const u16* g, long long row_stride) {
             const int c = n * BC;
-            load_tile_gmma<BC, D, THREADS>(tile, g + (long long)c * row_stride, row_stride, sk - c, p.d, tid);
+            load_tile_async<BC, D, THREADS, true>(tile, g + (long long)c * row_stride, row_stride, sk - c, p.d, tid);
         };
         // K and V have two buffers each. Tile t_j's K goes to buffer j & 1 one iteration ahead
         // (S_j needs it first); its V to buffer j & 1 in iteration j itself, since P_j·V_j is
@@ -526,7 +526,7 @@ struct FlashFwdSm90 {
         bool all_on;
         int n = next_tile(n_end - 1, all_on);
         if (n >= n_begin) {
-            load_tile_gmma<BR, D, THREADS>(sQ, gQ, p.q_row, rows_valid, p.d, tid);
+            load_tile_async<BR, D, THREADS, true>(sQ, gQ, p.q_row, rows_valid, p.d, tid);
             load_tile(n, sK0, gK, p.k_row);
             if (!OVERLAP) load_tile(n, sV0, gV, p.v_row);
             cp_async_commit();

@@ -53,33 +53,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Copies rows [0, ROWS) of a tile whose row r starts at g + r * row_stride (elements) into the
-// swizzled tile at `tile`; rows >= rows_valid and the columns >= cols_valid (a multiple of 8: the
-// columns past a head dim the tile width pads) are zero-filled. All THREADS threads take part.
-// A thread copies one 16-byte chunk column, every ROWS_PER_PASS-th row: one pointer stepping by
-// a fixed stride, so the per-thread addresses cost two registers, not one pair per chunk.
-template <int ROWS, int D, int THREADS>
-__device__ __forceinline__ void load_tile_async(u32 tile, const u16* g, long long row_stride, int rows_valid,
-                                                int cols_valid, int tid) {
-    constexpr int CHUNKS_PER_ROW = D / 8;
-    static_assert(THREADS % CHUNKS_PER_ROW == 0, "a pass must cover whole rows");
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-    static_assert(ROWS % ROWS_PER_PASS == 0, "tile must split evenly over the threads");
-    static_assert(ROWS_PER_PASS % 8 == 0, "every pass must keep the swizzle phase (row & 7)");
-    const int r0 = tid / CHUNKS_PER_ROW, ch = tid % CHUNKS_PER_ROW;
-    const u16* src = g + r0 * row_stride + ch * 8;
-    const long long step = ROWS_PER_PASS * row_stride;
-    const u32 dst = tile + swizzled_offset<D>(r0, ch);
-    const bool col_ok = 8 * ch < cols_valid;
-#pragma unroll
-    for (int it = 0; it < ROWS / ROWS_PER_PASS; ++it) {
-        const int r = r0 + it * ROWS_PER_PASS;
-        const bool valid = col_ok && r < rows_valid;
-        cp_async_16(dst + (u32)(it * ROWS_PER_PASS * D * 2), valid ? src : g, valid);
-        src += step;
-    }
-}
-
 // The wgmma layout of a ROWS x D tile (FA_WGMMA): D / 64 column blocks of ROWS rows x 128 bytes,
 // each row's eight 16-byte chunks swizzled by row % 8 (the hardware's 128-byte swizzle, which
 // XORs address bits 4-6 with bits 7-9, so blocks start 1024-byte aligned). Chunk c of row r:
@@ -88,25 +61,32 @@ __device__ __forceinline__ u32 gmma_offset(int row, int chunk) {
     return (u32)((chunk / 8) * ROWS * 128 + row * 128 + ((chunk & 7) ^ (row & 7)) * 16);
 }
 
-// load_tile_async into the wgmma layout: same rows, columns and zero-fill.
-template <int ROWS, int D, int THREADS>
-__device__ __forceinline__ void load_tile_gmma(u32 tile, const u16* g, long long row_stride, int rows_valid,
-                                               int cols_valid, int tid) {
+// Copies rows [0, ROWS) of a tile whose row r starts at g + r * row_stride (elements) into the
+// swizzled tile at `tile` (GMMA: in the wgmma layout, else rows of D elements, `swizzled_offset`);
+// rows >= rows_valid and the columns >= cols_valid (a multiple of 8: the columns past a head dim
+// the tile width pads) are zero-filled. All THREADS threads take part. A thread copies one 16-byte
+// chunk column, every ROWS_PER_PASS-th row: one pointer stepping by a fixed stride, so the
+// per-thread addresses cost two registers, not one pair per chunk.
+template <int ROWS, int D, int THREADS, bool GMMA = false>
+__device__ __forceinline__ void load_tile_async(u32 tile, const u16* g, long long row_stride, int rows_valid,
+                                                int cols_valid, int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
     static_assert(THREADS % CHUNKS_PER_ROW == 0, "a pass must cover whole rows");
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
     static_assert(ROWS % ROWS_PER_PASS == 0, "tile must split evenly over the threads");
     static_assert(ROWS_PER_PASS % 8 == 0, "every pass must keep the swizzle phase (row & 7)");
+    // Bytes between rows of one chunk column: a whole row, or one 128-byte row of a column block.
+    constexpr int ROW_BYTES = GMMA ? 128 : D * 2;
     const int r0 = tid / CHUNKS_PER_ROW, ch = tid % CHUNKS_PER_ROW;
     const u16* src = g + r0 * row_stride + ch * 8;
     const long long step = ROWS_PER_PASS * row_stride;
-    const u32 dst = tile + gmma_offset<ROWS>(r0, ch);
+    const u32 dst = tile + (GMMA ? gmma_offset<ROWS>(r0, ch) : swizzled_offset<D>(r0, ch));
     const bool col_ok = 8 * ch < cols_valid;
 #pragma unroll
     for (int it = 0; it < ROWS / ROWS_PER_PASS; ++it) {
         const int r = r0 + it * ROWS_PER_PASS;
         const bool valid = col_ok && r < rows_valid;
-        cp_async_16(dst + (u32)(it * ROWS_PER_PASS * 128), valid ? src : g, valid);
+        cp_async_16(dst + (u32)(it * ROWS_PER_PASS * ROW_BYTES), valid ? src : g, valid);
         src += step;
     }
 }
