@@ -191,6 +191,12 @@ __device__ __forceinline__ BlockCoords block_coords(const BwdParams& p) {
     return c;
 }
 
+// A compile-time bool as a type, to instantiate a generic lambda for each value.
+template <bool B>
+struct BoolC {
+    static constexpr bool value = B;
+};
+
 template <int D, int BR, int WARPS, bool BF16>
 struct FlashBwd {
     static constexpr int BC = 16 * WARPS;  // keys per block, 16 per warp
@@ -385,9 +391,14 @@ struct FlashBwd {
             const int row = m0 + 16 * (warp % 4) + g + 8 * r;
             if (row < rows_valid) {
                 float* dst = acc + row * acc_row + n0 + 2 * t;
+                if (n0 + NQ <= head_dim) {  // every column real: straight-line adds
 #pragma unroll
-                for (int n = 0; n < NQ / 8; ++n)
-                    if (n0 + 8 * n < head_dim) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
+                    for (int n = 0; n < NQ / 8; ++n) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
+                } else {
+#pragma unroll
+                    for (int n = 0; n < NQ / 8; ++n)
+                        if (n0 + 8 * n < head_dim) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
+                }
             }
         }
 #else
@@ -421,9 +432,14 @@ struct FlashBwd {
                 int row = m0 + g + 8 * r;
                 if (row < rows_valid) {
                     float* dst = acc + row * acc_row + c0 + 2 * t;
+                    if (c0 + 32 <= head_dim) {  // every column real: straight-line adds
 #pragma unroll
-                    for (int n = 0; n < 4; ++n)
-                        if (c0 + 8 * n < head_dim) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
+                        for (int n = 0; n < 4; ++n) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
+                    } else {
+#pragma unroll
+                        for (int n = 0; n < 4; ++n)
+                            if (c0 + 8 * n < head_dim) red_add2(dst + 8 * n, d[n].x[2 * r], d[n].x[2 * r + 1]);
+                    }
                 }
             }
         }
@@ -448,120 +464,60 @@ struct FlashBwd {
         }
     }
 
-    static __device__ __forceinline__ void run(const BwdParams& p, char* smem) {
-        const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
-        const int g = lane_id >> 2, t = lane_id & 3;
-        const BlockCoords bc = block_coords(p);
-        const int n_block = bc.n_block, b = bc.b, hkv = bc.hkv, q_start = bc.q_start, sq = bc.sq, sk = bc.sk;
-        const int col0 = n_block * BC;
-        if (col0 >= sk) return;
-        const int keys_valid = min(BC, sk - col0);
-        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
-        const int off = sk - sq;
-        const bool modded = FA_EXTRAS != 0 && p.mod.active();
-
-        // The query tiles that see this key tile: those whose key range (as the forward and the
-        // deterministic ordering compute it) covers it. Monotone spans make them contiguous.
-        const int m_count = (sq + BR - 1) / BR;
-        int m_lo = m_count, m_hi = 0;
-        for (int m = 0; m < m_count; ++m) {
-            int lo, hi;
-            vis.key_range(m * BR, min(sq, (m + 1) * BR), lo, hi);
-            if (lo / BC <= n_block && n_block < (hi + BC - 1) / BC) {
-                m_lo = min(m_lo, m);
-                m_hi = m + 1;
-            }
+    // lse·log2(e) in place for the rows of a landed item that this thread copied (the rows of
+    // `load_row_floats`, after this thread's own wait; the barrier that follows publishes them).
+    // A row that sees no key (lse = -inf) gets +inf, so that its P = exp2(score - inf) = 0.
+    static __device__ __forceinline__ void scale_lse_rows(u32 sL, int tid) {
+        for (int r = tid; r < BR; r += THREADS) {
+            float l = ld_shared_f32(sL + 4 * r);
+            l = (l == -FA_INF) ? FA_INF : l * FA_LOG2E;
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sL + 4 * r), "f"(l) : "memory");
         }
+    }
 
-        const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + 2 * Q_BYTES,
-                  sDS = sDO0 + 2 * Q_BYTES, sL0 = sDS + DS_BYTES, sD0 = sL0 + 2 * ROW_BYTES;
-        const int warp_key = 16 * warp;
+    static __device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
+        float2 x;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x.x), "=f"(x.y) : "r"(addr));
+        return x;
+    }
 
-        const u16* gK = p.k + b * p.k_batch + (long long)(bc.k_start + col0) * p.k_row + hkv * p.k_head;
-        const u16* gV = p.v + b * p.v_batch + (long long)(bc.k_start + col0) * p.v_row + hkv * p.v_head;
+    static __device__ __forceinline__ int ld_shared_s32(u32 addr) {
+        int x;
+        asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(x) : "r"(addr));
+        return x;
+    }
 
-        FragC dk[DT], dv[DT];
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
+    // What one work item's products and element-wise code read: the tiles of its buffer and its
+    // coordinates.
+    struct ItemCtx {
+        const BwdParams* p;
+        u32 sK, sV, sQ, sDO, sDS, l_base, d_base;
+        Visibility vis;
+        int row0, rows_valid, col0, off, warp_key, lane, g, t, b, h;
+        bool modded, drop;
+        float slope;
+        const unsigned char* plane;
+    };
 
-        const int per_head = max(m_hi - m_lo, 0);
-        const int work = per_head * p.group;
-
-        // Starts the copies of work item w (query head, query tile) into buffer `buf`.
-        auto prefetch = [&](int w, int buf) {
-            const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
-            const int rows_valid = min(BR, sq - row0);
-            const BlockCoords c = block_coords(p);
-            const long long tok = c.q_start + row0;
-            load_tile_async<BR, D, THREADS, GMMA>(sQ0 + buf * Q_BYTES,
-                                                  p.q + c.b * p.q_batch + tok * p.q_row + h * p.q_head, p.q_row,
-                                                  rows_valid, p.d, tid);
-            load_tile_async<BR, D, THREADS, GMMA>(sDO0 + buf * Q_BYTES,
-                                                  p.dout + c.b * p.do_batch + tok * p.do_row + h * p.do_head,
-                                                  p.do_row, rows_valid, p.d, tid);
-            const long long li = c.b * p.lse_batch + h * p.lse_head + tok;
-            load_row_floats(sL0 + buf * ROW_BYTES, p.lse + li, rows_valid, tid);
-            load_row_floats(sD0 + buf * ROW_BYTES, p.dpsum + li, rows_valid, tid);
-        };
-
-        // With a block-sparse mask (extras variants), items whose tile the mask hides entirely are
-        // skipped — except in deterministic mode, where every key tile takes its turn on a query
-        // tile's semaphore — and only items with every mask block on may be Full.
-        // `next_item(w, all_on)`: the first item at or after w to run; every thread calls it.
-        const bool blocky = FA_EXTRAS != 0 && p.block.active();
-        auto next_item = [&](int w, bool& all_on) {
-            all_on = true;
-            if (blocky) {
-                for (; w < work; ++w) {
-                    const int h = hkv * p.group + w / per_head, row0 = (m_lo + w % per_head) * BR;
-                    bool any;
-                    p.block.classify(p.block.plane(b, h), row0, min(sq, row0 + BR), col0, col0 + keys_valid, tid,
-                                     THREADS, any, all_on);
-                    if (any || p.deterministic) break;
-                }
-            }
-            return w;
-        };
-
-        bool all_on;
-        int w = next_item(0, all_on), buf = 0;
-        load_tile_async<BC, D, THREADS, GMMA>(sK, gK, p.k_row, keys_valid, p.d, tid);
-        load_tile_async<BC, D, THREADS, GMMA>(sV, gV, p.v_row, keys_valid, p.d, tid);
-        if (w < work) prefetch(w, buf);
-        cp_async_commit();
-
-        while (w < work) {
-            bool next_all_on;
-            const int next = next_item(w + 1, next_all_on);
-            if (next < work) prefetch(next, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-#if FA_WGMMA
-            fence_proxy_async();
-#endif
-            __syncthreads();  // item w (and K, V) landed
-
-            const int h = hkv * p.group + w / per_head, m = m_lo + w % per_head, row0 = m * BR;
-            const int rows_valid = min(BR, sq - row0);
-            const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
-            const float slope = p.mod.slope(b, h, p.hq);
-            // The lane id, opaque to the compiler for this iteration: otherwise ptxas hoists every
-            // swizzled fragment address out of the loop into its own register and spills.
-            int lane;
-            asm volatile("mov.b32 %0, %1;\n" : "=r"(lane) : "r"(lane_id));
-            const u32 sQ = sQ0 + buf * Q_BYTES, sDO = sDO0 + buf * Q_BYTES;
-            const u32 sL = sL0 + buf * ROW_BYTES, sD = sD0 + buf * ROW_BYTES;
-            // Every pair visible and every row a real query: no predicate. (Rows past the end hold
-            // zeros; masking them too keeps a non-finite V out of dK through them.)
-            const bool full = all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
-
+    // The products and element-wise work of one item up to dSᵀ in shared memory and dK, dV
+    // accumulated, compiled twice: FULL (every pair visible, every row a real query) without any
+    // predicate, and the masked case. Nothing is in flight on the tensor cores where the two paths
+    // part or meet.
+    template <bool FULL>
+    static __device__ __forceinline__ void item(const ItemCtx& ctx, FragC (&dk)[DT], FragC (&dv)[DT]) {
+        const BwdParams& p = *ctx.p;
+        const u32 sK = ctx.sK, sV = ctx.sV, sQ = ctx.sQ, sDO = ctx.sDO, sDS = ctx.sDS, l_base = ctx.l_base, d_base = ctx.d_base;
+        const Visibility vis = ctx.vis;
+        const int row0 = ctx.row0, rows_valid = ctx.rows_valid, col0 = ctx.col0, off = ctx.off, warp_key = ctx.warp_key;
+        const int lane = ctx.lane, g = ctx.g, t = ctx.t, b = ctx.b, h = ctx.h;
+        const bool modded = ctx.modded, drop = ctx.drop;
+        const float slope = ctx.slope;
+        const unsigned char* plane = ctx.plane;
             // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
             FragC s[NT];
 #if FA_WGMMA
-            // Sᵀ and (SDP_TOGETHER) dPᵀ = V dOᵀ back to back; dK, and dV where SDP_TOGETHER, stay
-            // in flight under the element-wise work until the wait before dQ.
+            // Sᵀ and (SDP_TOGETHER) dPᵀ = V dOᵀ back to back; dK, and dV where SDP_TOGETHER,
+            // stay in flight under the element-wise work until the wait at the end.
             static_assert(PARTS == 1, "the Hopper kernel computes dPᵀ whole");
             FragC dp[NT];
             FragA pa[BR / 16], da[NT / 2];
@@ -574,36 +530,36 @@ struct FlashBwd {
             scores_t(s, sK, sQ, 0, warp_key, lane);
 #endif
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt) {
+                const float2 lv = ld_shared_f32x2(l_base + 32 * nt);
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int col = 8 * nt + 2 * t + c;
-                    float l = ld_shared_f32(sL + 4 * col);
-                    // A row that sees no key has lse = -inf and P = 0 (not exp2(+inf)).
-                    l = (l == -FA_INF) ? FA_INF : l * FA_LOG2E;
+                    const float l = c ? lv.y : lv.x;
                     int lo = 0, hi = 0;
-                    if (!full && col < rows_valid) vis.span(row0 + col, lo, hi);
+                    if (!FULL && col < rows_valid) vis.span(row0 + col, lo, hi);
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const int key = col0 + warp_key + g + 8 * r;
                         float e;
                         if (modded) {
                             float th;
-                            const float xm = p.mod.apply(s[nt].x[2 * r + c] * p.mod.scale, slope, row0 + col + off - key, th);
+                            const float xm =
+                                p.mod.apply(s[nt].x[2 * r + c] * p.mod.scale, slope, row0 + col + off - key, th);
                             e = fmaf(xm, FA_LOG2E, -l);
                         } else {
                             e = fmaf(s[nt].x[2 * r + c], p.scale_log2, -l);
                         }
                         float x = fast_exp2(e);
-                        if (!full && (key < lo || key >= hi ||
+                        if (!FULL && (key < lo || key >= hi ||
                                       (FA_EXTRAS != 0 && plane && !p.block.visible(plane, row0 + col, key))))
                             x = 0.f;
                         s[nt].x[2 * r + c] = x;
                     }
                 }
+            }
 
             u32 bits[(NT + 7) / 8];
-            const bool drop = FA_EXTRAS != 0 && p.dropout.enabled;
             if (drop) keep_bits(bits, p.dropout, (u32)(b * p.hq + h), row0, col0 + warp_key, lane);
 
             // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p).
@@ -643,8 +599,9 @@ struct FlashBwd {
             }
 #endif
 
-            // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D); dK += dSᵀ Q. In PARTS slices of the
-            // queries, so only a slice of dPᵀ is live next to Pᵀ, dK and dV (registers are full).
+            // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D); dK += dSᵀ Q. In PARTS slices of
+            // the queries, so only a slice of dPᵀ is live next to Pᵀ, dK and dV (registers are
+            // full).
 #pragma unroll
             for (int part = 0; part < PARTS; ++part) {
                 constexpr int PN = NT / PARTS;  // n-tiles (8 queries) per part
@@ -654,30 +611,28 @@ struct FlashBwd {
                 FragA da[PN / 2];
 #endif
 #pragma unroll
-                for (int i = 0; i < PN; ++i)
+                for (int i = 0; i < PN; ++i) {
+                    const int nt = part * PN + i;
+                    const float2 dv2 = ld_shared_f32x2(d_base + 32 * nt);
+                    // Softcap: dS is also multiplied by d(c·tanh(x/c))/dx = 1 - tanh². tanh is
+                    // recovered from P: the modified score is (log2 P + lse·log2 e)·ln 2 (plus
+                    // the ALiBi bias taken off it), so no register holds it across the products.
+                    float2 l2 = make_float2(0.f, 0.f);
+                    if (FA_EXTRAS != 0 && p.mod.softcap > 0.f) l2 = ld_shared_f32x2(l_base + 32 * nt);
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const int nt = part * PN + i;
                         const int col = 8 * nt + 2 * t + c;
-                        const float dd = ld_shared_f32(sD + 4 * col);
-                        // Softcap: dS is also multiplied by d(c·tanh(x/c))/dx = 1 - tanh². tanh is
-                        // recovered from P: the modified score is (log2 P + lse·log2 e)·ln 2 (plus
-                        // the ALiBi bias taken off it), so no register holds it across the products.
-                        float l2 = 0.f;
-                        if (FA_EXTRAS != 0 && p.mod.softcap > 0.f) {
-                            l2 = ld_shared_f32(sL + 4 * col);
-                            l2 = (l2 == -FA_INF) ? FA_INF : l2 * FA_LOG2E;
-                        }
+                        const float dd = c ? dv2.y : dv2.x;
 #pragma unroll
                         for (int r = 0; r < 2; ++r) {
                             float x = dp[i].x[2 * r + c];
                             if (drop) x *= kept(bits, nt, r, c) ? p.dropout.scale : 0.f;
                             const float pr = s[nt].x[2 * r + c];
                             // A hidden pair's dS is 0 even where dPᵀ is not finite.
-                            float ds = pr == 0.f ? 0.f : pr * (x - dd);
+                            float ds = (!FULL && pr == 0.f) ? 0.f : pr * (x - dd);
                             if (FA_EXTRAS != 0 && p.mod.softcap > 0.f && pr != 0.f) {
                                 const int key = col0 + warp_key + g + 8 * r;
-                                float sm = (__log2f(pr) + l2) * FA_LN2;
+                                float sm = (__log2f(pr) + (c ? l2.y : l2.x)) * FA_LN2;
                                 if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
                                 const float th = sm / p.mod.softcap;
                                 ds *= 1.f - th * th;
@@ -685,10 +640,24 @@ struct FlashBwd {
                             dp[i].x[2 * r + c] = ds;
                         }
                     }
+                }
 #pragma unroll
                 for (int kk = 0; kk < PN / 2; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
 
                 // dSᵀ to shared memory ([key][query], swizzled) for dQ, before the barrier.
+#if FA_WGMMA
+                // One stmatrix per 16 x 16 fragment: matrix i is rows 8·(i & 1) of the warp's
+                // 16 keys at query chunk 2·kk + (i >> 1); lanes 8i .. 8i + 7 address its rows.
+                {
+                    const int i = lane >> 3, row = warp_key + (lane & 7) + 8 * (i & 1);
+#pragma unroll
+                    for (int kk = 0; kk < PN / 2; ++kk) {
+                        const int chunk = 2 * (part * PN / 2 + kk) + (i >> 1);
+                        stmatrix_x4(sDS + ds_offset(row, chunk), da[kk].x[0], da[kk].x[1], da[kk].x[2],
+                                    da[kk].x[3]);
+                    }
+                }
+#else
 #pragma unroll
                 for (int kk = 0; kk < PN / 2; ++kk)
 #pragma unroll
@@ -700,12 +669,13 @@ struct FlashBwd {
                             asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + ds_offset(row, chunk) + 4 * t),
                                          "r"(word));
                         }
+#endif
 
                 // dK += dSᵀ Q (the scale is applied once at the end).
                 accumulate_t<PN / 2, FA_WGMMA == 0>(dk, da, sQ, 8 * PN * part, lane);
             }
 #if FA_WGMMA
-            fence_proxy_async();  // dSᵀ was written by st.shared; the dQ wgmma reads it
+            fence_proxy_async();  // dSᵀ was written by the generic proxy; the dQ wgmma reads it
             // dV and dK complete: their registers (and pa, da) are free again after this.
             wgmma_wait<0>();
             fence_operands(dv);
@@ -715,6 +685,154 @@ struct FlashBwd {
 #pragma unroll
             for (int kk = 0; kk < NT / 2; ++kk) fence_operands(da[kk]);
 #endif
+    }
+
+    static __device__ __forceinline__ void run(const BwdParams& p, char* smem) {
+        const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
+        const int g = lane_id >> 2, t = lane_id & 3;
+        const BlockCoords bc = block_coords(p);
+        const int n_block = bc.n_block, b = bc.b, hkv = bc.hkv, q_start = bc.q_start, sq = bc.sq, sk = bc.sk;
+        const int col0 = n_block * BC;
+        if (col0 >= sk) return;
+        const int keys_valid = min(BC, sk - col0);
+        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+        const int off = sk - sq;
+        const bool modded = FA_EXTRAS != 0 && p.mod.active();
+
+        // The query tiles that see this key tile: those whose key range (as the forward and the
+        // deterministic ordering compute it) covers it. Monotone spans make them contiguous.
+        const int m_count = (sq + BR - 1) / BR;
+        int m_lo = m_count, m_hi = 0;
+        for (int m = 0; m < m_count; ++m) {
+            int lo, hi;
+            vis.key_range(m * BR, min(sq, (m + 1) * BR), lo, hi);
+            if (lo / BC <= n_block && n_block < (hi + BC - 1) / BC) {
+                m_lo = min(m_lo, m);
+                m_hi = m + 1;
+            }
+        }
+
+        const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + 2 * Q_BYTES,
+                  sDS = sDO0 + 2 * Q_BYTES, sL0 = sDS + DS_BYTES, sD0 = sL0 + 2 * ROW_BYTES;
+        const int warp_key = 16 * warp;
+
+        // The batch entry and first query token of the block's sequence, in shared memory for the
+        // copies of each item: held in registers across the loop they are what spills, and
+        // re-deriving them from the block index costs integer divisions per item.
+        __shared__ int s_seq[2];
+        if (tid == 0) {
+            s_seq[0] = b;
+            s_seq[1] = q_start;
+        }
+
+        const u16* gK = p.k + b * p.k_batch + (long long)(bc.k_start + col0) * p.k_row + hkv * p.k_head;
+        const u16* gV = p.v + b * p.v_batch + (long long)(bc.k_start + col0) * p.v_row + hkv * p.v_head;
+
+        FragC dk[DT], dv[DT];
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
+
+        const int per_head = max(m_hi - m_lo, 0);
+        const int work = per_head * p.group;
+        const int h_first = hkv * p.group;
+
+        // Work item w: query head h_first + w / per_head, query tile m_lo + w % per_head.
+        auto item_of = [&](int w, int& h, int& m) {
+            const unsigned q = (unsigned)w / (unsigned)per_head;
+            h = h_first + (int)q;
+            m = m_lo + (w - (int)q * per_head);
+        };
+
+        // Starts the copies of query tile m of query head h into buffer `buf`.
+        auto prefetch = [&](int h, int m, int buf) {
+            const int row0 = m * BR;
+            const int rows_valid = min(BR, sq - row0);
+            const u32 seq = smem_addr(s_seq);
+            const int cb = ld_shared_s32(seq);
+            const long long tok = ld_shared_s32(seq + 4) + row0;
+            load_tile_async<BR, D, THREADS, GMMA>(sQ0 + buf * Q_BYTES,
+                                                  p.q + cb * p.q_batch + tok * p.q_row + h * p.q_head, p.q_row,
+                                                  rows_valid, p.d, tid);
+            load_tile_async<BR, D, THREADS, GMMA>(sDO0 + buf * Q_BYTES,
+                                                  p.dout + cb * p.do_batch + tok * p.do_row + h * p.do_head,
+                                                  p.do_row, rows_valid, p.d, tid);
+            const long long li = cb * p.lse_batch + h * p.lse_head + tok;
+            load_row_floats(sL0 + buf * ROW_BYTES, p.lse + li, rows_valid, tid);
+            load_row_floats(sD0 + buf * ROW_BYTES, p.dpsum + li, rows_valid, tid);
+        };
+
+        // With a block-sparse mask (extras variants), items whose tile the mask hides entirely are
+        // skipped — except in deterministic mode, where every key tile takes its turn on a query
+        // tile's semaphore — and only items with every mask block on may be Full.
+        // `next_item(w, all_on)`: the first item at or after w to run; every thread calls it.
+        const bool blocky = FA_EXTRAS != 0 && p.block.active();
+        auto next_item = [&](int w, bool& all_on) {
+            all_on = true;
+            if (blocky) {
+                for (; w < work; ++w) {
+                    int h, m;
+                    item_of(w, h, m);
+                    const int row0 = m * BR;
+                    bool any;
+                    p.block.classify(p.block.plane(b, h), row0, min(sq, row0 + BR), col0, col0 + keys_valid, tid,
+                                     THREADS, any, all_on);
+                    if (any || p.deterministic) break;
+                }
+            }
+            return w;
+        };
+
+        __syncthreads();  // s_seq
+        bool all_on;
+        int w = next_item(0, all_on), buf = 0, h = 0, m = 0;
+        load_tile_async<BC, D, THREADS, GMMA>(sK, gK, p.k_row, keys_valid, p.d, tid);
+        load_tile_async<BC, D, THREADS, GMMA>(sV, gV, p.v_row, keys_valid, p.d, tid);
+        if (w < work) {
+            item_of(w, h, m);
+            prefetch(h, m, buf);
+        }
+        cp_async_commit();
+
+        while (w < work) {
+            bool next_all_on;
+            const int next = next_item(w + 1, next_all_on);
+            int next_h = 0, next_m = 0;
+            if (next < work) {
+                item_of(next, next_h, next_m);
+                prefetch(next_h, next_m, buf ^ 1);
+            }
+            cp_async_commit();
+            cp_async_wait<1>();
+            scale_lse_rows(sL0 + buf * ROW_BYTES, tid);
+#if FA_WGMMA
+            fence_proxy_async();
+#endif
+            __syncthreads();  // item w (and K, V) landed
+
+            const int row0 = m * BR;
+            const int rows_valid = min(BR, sq - row0);
+            const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
+            const float slope = p.mod.slope(b, h, p.hq);
+            // The lane id, opaque to the compiler for this iteration: otherwise ptxas hoists every
+            // swizzled fragment address out of the loop into its own register and spills.
+            const int lane = (int)opaque((u32)lane_id);
+            const u32 sQ = sQ0 + buf * Q_BYTES, sDO = sDO0 + buf * Q_BYTES;
+            const u32 sL = sL0 + buf * ROW_BYTES, sD = sD0 + buf * ROW_BYTES;
+            // This thread's columns 8·nt + 2t, +1 of the lse·log2(e) and D rows: one 8-byte load
+            // each per n-tile, at an immediate offset from these bases.
+            const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
+            const bool drop = FA_EXTRAS != 0 && p.dropout.enabled;
+
+            const ItemCtx ctx{&p,  sK,         sV,  sQ,   sDO,   sDS,      l_base, d_base, vis, row0, rows_valid, col0,
+                              off, warp_key, lane, g, t, b, h, modded, drop, slope, plane};
+            // Every pair visible and every row a real query: no predicate. (Rows past the end hold
+            // zeros; masking them too keeps a non-finite V out of dK through them.)
+            if (all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                item<true>(ctx, dk, dv);
+            else
+                item<false>(ctx, dk, dv);
             __syncthreads();  // dSᵀ complete
 
             // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
@@ -742,6 +860,8 @@ struct FlashBwd {
             }
             __syncthreads();  // dSᵀ and buffer `buf` free for reuse
             w = next;
+            h = next_h;
+            m = next_m;
             all_on = next_all_on;
             buf ^= 1;
         }

@@ -103,6 +103,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& a, u32& b, u32&
                  : "r"(addr));
 }
 
+#if __CUDA_ARCH__ >= 900
+// Stores four 8x8 16-bit matrices from the mma fragment layout (register i: matrix i; lanes
+// 8i..8i+7 give the addresses of its rows, 16 bytes each). sm_90+.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b),
+                 "r"(c), "r"(d)
+                 : "memory");
+}
+#endif
+
+// `x`, opaque to the compiler: it cannot see which low bits of an address are zero, so constant
+// offsets added to it stay additions, which fold into the load's immediate, instead of turning into
+// an OR per address (ptxas does that where it can prove the bits disjoint).
+__device__ __forceinline__ u32 opaque(u32 x) {
+    u32 y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
 // Fragment addresses. A thread's ldmatrix row r and logical chunk c = 2·kk + h (h: 0 or 1, from
 // the lane) sit at tile + r·2D + 16·((c & ~7) | ((c & 7) ^ (r & 7))). With kk = 4a + b that is
 //   (tile + r·2D + 16·(h ^ (r & 7))) ^ (32·b)  +  128·a
