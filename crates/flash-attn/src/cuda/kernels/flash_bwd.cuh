@@ -716,14 +716,22 @@ struct FlashBwd {
                   sDS = sDO0 + 2 * Q_BYTES, sL0 = sDS + DS_BYTES, sD0 = sL0 + 2 * ROW_BYTES;
         const int warp_key = 16 * warp;
 
-        // The batch entry and first query token of the block's sequence, in shared memory for the
-        // copies of each item: held in registers across the loop they are what spills, and
-        // re-deriving them from the block index costs integer divisions per item.
-        __shared__ int s_seq[2];
+        const int per_head = max(m_hi - m_lo, 0);
+        const int work = per_head * p.group;
+
+        // What the copies and the (head, tile) of each item need, in shared memory: the batch entry
+        // and first query token of the block's sequence, the first query head of the group, the
+        // first query tile and the tiles per head. Held in registers across the loop they are what
+        // spills; re-derived from the block index they cost integer divisions per item.
+        __shared__ int s_info[5];
         if (tid == 0) {
-            s_seq[0] = b;
-            s_seq[1] = q_start;
+            s_info[0] = b;
+            s_info[1] = q_start;
+            s_info[2] = hkv * p.group;
+            s_info[3] = m_lo;
+            s_info[4] = per_head;
         }
+        const u32 info = smem_addr(s_info);
 
         const u16* gK = p.k + b * p.k_batch + (long long)(bc.k_start + col0) * p.k_row + hkv * p.k_head;
         const u16* gV = p.v + b * p.v_batch + (long long)(bc.k_start + col0) * p.v_row + hkv * p.v_head;
@@ -734,24 +742,20 @@ struct FlashBwd {
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
 
-        const int per_head = max(m_hi - m_lo, 0);
-        const int work = per_head * p.group;
-        const int h_first = hkv * p.group;
-
         // Work item w: query head h_first + w / per_head, query tile m_lo + w % per_head.
         auto item_of = [&](int w, int& h, int& m) {
-            const unsigned q = (unsigned)w / (unsigned)per_head;
-            h = h_first + (int)q;
-            m = m_lo + (w - (int)q * per_head);
+            const int n = ld_shared_s32(info + 16);
+            const unsigned q = (unsigned)w / (unsigned)n;
+            h = ld_shared_s32(info + 8) + (int)q;
+            m = ld_shared_s32(info + 12) + (w - (int)q * n);
         };
 
         // Starts the copies of query tile m of query head h into buffer `buf`.
         auto prefetch = [&](int h, int m, int buf) {
             const int row0 = m * BR;
             const int rows_valid = min(BR, sq - row0);
-            const u32 seq = smem_addr(s_seq);
-            const int cb = ld_shared_s32(seq);
-            const long long tok = ld_shared_s32(seq + 4) + row0;
+            const int cb = ld_shared_s32(info);
+            const long long tok = ld_shared_s32(info + 4) + row0;
             load_tile_async<BR, D, THREADS, GMMA>(sQ0 + buf * Q_BYTES,
                                                   p.q + cb * p.q_batch + tok * p.q_row + h * p.q_head, p.q_row,
                                                   rows_valid, p.d, tid);
@@ -784,7 +788,7 @@ struct FlashBwd {
             return w;
         };
 
-        __syncthreads();  // s_seq
+        __syncthreads();  // s_info
         bool all_on;
         int w = next_item(0, all_on), buf = 0, h = 0, m = 0;
         load_tile_async<BC, D, THREADS, GMMA>(sK, gK, p.k_row, keys_valid, p.d, tid);
@@ -796,20 +800,24 @@ struct FlashBwd {
         cp_async_commit();
 
         while (w < work) {
-            bool next_all_on;
-            const int next = next_item(w + 1, next_all_on);
-            int next_h = 0, next_m = 0;
-            if (next < work) {
-                item_of(next, next_h, next_m);
-                prefetch(next_h, next_m, buf ^ 1);
-            }
-            cp_async_commit();
-            cp_async_wait<1>();
+            cp_async_wait<0>();
             scale_lse_rows(sL0 + buf * ROW_BYTES, tid);
 #if FA_WGMMA
             fence_proxy_async();
 #endif
-            __syncthreads();  // item w (and K, V) landed
+            // Item w (and K, V) landed, and every thread is done with item w - 1: its dQ product
+            // read dSᵀ, and its tiles in buffer buf ^ 1 are free for the next item's copies.
+            __syncthreads();
+            {
+                bool next_all_on;
+                const int next = next_item(w + 1, next_all_on);
+                if (next < work) {
+                    int next_h, next_m;
+                    item_of(next, next_h, next_m);
+                    prefetch(next_h, next_m, buf ^ 1);
+                }
+            }
+            cp_async_commit();
 
             const int row0 = m * BR;
             const int rows_valid = min(BR, sq - row0);
@@ -858,11 +866,10 @@ struct FlashBwd {
             } else {
                 accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
             }
-            __syncthreads();  // dSᵀ and buffer `buf` free for reuse
-            w = next;
-            h = next_h;
-            m = next_m;
-            all_on = next_all_on;
+            // The next item again (the same answer as above), rather than held in registers across
+            // this one.
+            w = next_item(w + 1, all_on);
+            if (w < work) item_of(w, h, m);
             buf ^= 1;
         }
 
