@@ -502,6 +502,63 @@ mod tests {
         }
     }
 
+    /// The gradients of `case` with tiles `tiles`, against the oracle, after checking that the
+    /// keys are split into several chunks (so `dQ` is summed over per-chunk partials).
+    fn chunked_backward_report<T: Element>(case: &Case, tiles: Tiles) -> crate::check::BackwardReport {
+        let data = case.data::<T>();
+        let spec = case.spec(&data);
+        let [q, k, v] = data.views();
+        let g = spec.geometry(&q, &k, &v).expect("valid case");
+        assert!(backward::chunks(&g, tiles.bc) > 1, "{case}: a single chunk");
+        let fwd = crate::forward(&spec, &q, &k, &v).expect("valid case");
+        let (out, (dout, dout_shape)) = (Tensor::new(&fwd.out, &fwd.out_shape), case.dout(&data).expect("valid"));
+        let dout_t = Tensor::new(&dout, &dout_shape);
+        let (qs, ks, vs) = (g.q_shape(g.d), g.k_shape(g.d), g.k_shape(g.dv));
+        let zeros = |shape: &[usize]| vec![T::default(); shape.iter().product()];
+        let mut grads = crate::Gradients {
+            dq: zeros(&qs),
+            dk: zeros(&ks),
+            dv: zeros(&vs),
+            dq_shape: qs,
+            dk_shape: ks,
+            dv_shape: vs,
+        };
+        let views = (
+            &mut TensorMut::new(&mut grads.dq, &grads.dq_shape),
+            &mut TensorMut::new(&mut grads.dk, &grads.dk_shape),
+            &mut TensorMut::new(&mut grads.dv, &grads.dv_shape),
+        );
+        backward_tiled(&g, &q, &k, &v, &out, &fwd.lse, &dout_t, views, tiles, blocking::ROW_CACHE_BUDGET)
+            .expect("valid case");
+        crate::check::compare_gradients(&spec, &grads, &data, &dout_t, case.dtype).expect("valid case")
+    }
+
+    #[test]
+    fn gradients_summed_over_several_key_chunks_meet_the_contract() {
+        let tiles = Tiles { br: 16, bc: 16 };
+        for (dtype, causal) in
+            [(DType::F32, Causal::None), (DType::BF16, Causal::BottomRight), (DType::F16, Causal::TopLeft)]
+        {
+            // One (sequence, kv head) and 44 key tiles: two chunks of 22.
+            let case = Case {
+                hq: 2,
+                hk: 1,
+                d: 24,
+                dv: 16,
+                seqlens: vec![(40, 700)],
+                varlen: false,
+                seed: 0xc4,
+                ..gqa_varlen_case(dtype, causal, None)
+            };
+            let rep = match dtype {
+                DType::F32 => chunked_backward_report::<f32>(&case, tiles),
+                DType::F16 => chunked_backward_report::<f16>(&case, tiles),
+                DType::BF16 => chunked_backward_report::<bf16>(&case, tiles),
+            };
+            assert!(rep.passed(), "{case}: {rep}");
+        }
+    }
+
     #[test]
     fn cached_key_tiles_give_the_uncached_results_in_f32() {
         cached_tiles_give_the_uncached_results::<f32>(DType::F32);
