@@ -141,8 +141,9 @@ impl Scratch {
                 ds_rows: vec![0; brp * t.bc],
                 ds_keys: vec![0; t.br * bcp],
             }),
-            q: f32_tile(t.br * d),
-            dout: f32_tile(t.br * dv),
+            // Filled only for inputs that are not `f32` rows read in place (`rows_f32`).
+            q: Vec::new(),
+            dout: Vec::new(),
             lse: vec![0.0; t.br],
             delta: vec![0.0; t.br],
             s: vec![0.0; t.br * t.bc],

@@ -94,10 +94,11 @@ impl Scratch {
         let pair_slots = key_tiles.min(cache_budget / (4 * (kt_len + v_len)).max(1));
         let f32_slots = if pairs { 0 } else { key_tiles.min(cache_budget / (4 * g.d * t.bc).max(1)) };
         Self {
-            q: f32_tile(t.br * g.d),
-            k: f32_tile(t.bc * g.d),
+            // Sized on first use: `k` and `v` stay empty for `f32` rows read in place (`rows_f32`).
+            q: Vec::new(),
+            k: Vec::new(),
             kt: f32_tile(g.d * t.bc),
-            v: f32_tile(t.bc * g.dv),
+            v: Vec::new(),
             s: vec![0.0; t.br * t.bc],
             o: vec![0.0; t.br * g.dv],
             softmax: OnlineSoftmax::default(),
@@ -181,7 +182,12 @@ impl<T: Element> Context<'_, T> {
         let dp = d.div_ceil(2);
         match (self.bf16, sc.pairs.as_mut()) {
             (Some(bits), Some(pt)) => pack_rows(&mut pt.q, dp, bits.q, g.q, seq, seq.q_start, rows.clone(), head, d),
-            _ => load_rows(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0),
+            _ => {
+                if sc.q.len() < nr * d {
+                    sc.q.resize(nr * d, 0.0);
+                }
+                load_rows(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0)
+            }
         }
         sc.o[..nr * dv].fill(0.0);
         sc.softmax.reset(nr);

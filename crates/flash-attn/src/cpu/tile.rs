@@ -91,10 +91,11 @@ pub(super) fn panels<'v>(
 }
 
 /// Rows `rows` of head `head` as an `f32` matrix `(data, row stride)`: read in place when the input
-/// is `f32` and its rows do not overlap, otherwise widened into `buf` (row stride `dim`).
+/// is `f32` and its rows do not overlap, otherwise widened into `buf` (row stride `dim`), which
+/// grows on first use (so `f32` inputs never allocate or zero it).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn rows_f32<'s, T: Element>(
-    buf: &'s mut [f32],
+    buf: &'s mut Vec<f32>,
     src: &'s [T],
     layout: RowLayout,
     seq: &Sequence,
@@ -109,6 +110,9 @@ pub(super) fn rows_f32<'s, T: Element>(
             let at = layout.row(seq, start, rows.start, head);
             return (&src[at..at + (rows.len() - 1) * ld + dim], ld);
         }
+    }
+    if buf.len() < rows.len() * dim {
+        buf.resize(rows.len() * dim, 0.0);
     }
     load_rows(buf, src, layout, seq, start, rows, head, dim, 1.0);
     (buf, dim)
