@@ -277,10 +277,11 @@ impl BwdVariant {
     }
 
     /// Spill bytes that `kernels --compile-all` tolerates for this variant. Zero, except at
-    /// d = 128: a warp's dK and dV accumulators take 128 of the 255 registers, and ptxas spills
-    /// 36 to 72 bytes of loop-invariant values (block coordinates, tile bases, read once per
-    /// query tile) in every arrangement tried (docs/cuda-notes.md, v3). The budget is there so
-    /// that a change that spills more, or spills anywhere else, fails.
+    /// d = 128 on the mma.sync path: a warp's dK and dV accumulators take 128 of the 255
+    /// registers, and ptxas spills 24 to 56 bytes of loop-invariant values (tile bases, loop
+    /// bounds, read once per query tile) in every arrangement tried (docs/cuda-notes.md, v3 and
+    /// backward v3). The budget is there so that a change that spills more, or spills anywhere
+    /// else, fails.
     pub fn spill_budget(&self) -> u32 {
         if self.d >= 128 && !self.wgmma {
             80
