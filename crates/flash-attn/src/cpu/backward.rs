@@ -27,19 +27,12 @@ use crate::spec::{Geometry, RowLayout, Sequence};
 /// Units of work we aim for, independent of the thread count (so is the result).
 const MIN_UNITS: usize = 16;
 
-/// Key/value tiles a chunk holds at least (unless the sequence has fewer). Each chunk packs every
-/// query tile of its unit again and keeps its own `dQ` partial, whose first pass comes cold from
-/// memory: with chunks of 4 key tiles (1×8×1024², d 128, two chunks a head) the packing and the
-/// `dQ` product took about 8% more of a single-thread backward than with one chunk of 8.
-const MIN_CHUNK_TILES: usize = 16;
-
 /// Chunks of key/value tiles per `(sequence, kv head)`: enough units to occupy a machine when
-/// `batch · hk` is small, as long as each chunk keeps [`MIN_CHUNK_TILES`] key tiles; one
-/// otherwise.
+/// `batch · hk` is small, and one otherwise.
 pub(super) fn chunks(g: &Geometry<'_>, bc: usize) -> usize {
     let pairs = (g.seqs.len() * g.hk).max(1);
     let max_tiles = g.max_sk.div_ceil(bc).max(1);
-    MIN_UNITS.div_ceil(pairs).clamp(1, (max_tiles / MIN_CHUNK_TILES).max(1))
+    MIN_UNITS.div_ceil(pairs).clamp(1, max_tiles)
 }
 
 /// Per-thread scratch of the backward loop: `O(Br·(d + dv) + Br·Bc + Bc·(d + dv))` floats, and on

@@ -539,7 +539,7 @@ mod tests {
         for (dtype, causal) in
             [(DType::F32, Causal::None), (DType::BF16, Causal::BottomRight), (DType::F16, Causal::TopLeft)]
         {
-            // One (sequence, kv head) and 44 key tiles: two chunks of 22.
+            // One (sequence, kv head) and 44 key tiles: 16 chunks of at most 3.
             let case = Case {
                 hq: 2,
                 hk: 1,
