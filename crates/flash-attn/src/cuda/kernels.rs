@@ -328,13 +328,25 @@ impl BwdVariant {
         Some(BwdVariant { dtype, d, br, warps: 8, extras: false, wgmma: true })
     }
 
-    /// The variant used on `arch` for `dtype`, head dim `d`, with the extras or not: the Hopper
-    /// kernel on sm_90a without the extras (with them it spills), else [`BwdVariant::default_for`].
+    /// The Hopper (sm_90a) variant with the extras (dropout, softcap, ALiBi, block masks) compiled
+    /// in: 64 queries a tile; at d = 64 two warpgroups with Sᵀ and dPᵀ in flight together, at
+    /// d = 128 one warpgroup with dPᵀ issued after dV (the other arrangements spill).
+    pub fn hopper_extras_for(dtype: DType, d: usize) -> Option<BwdVariant> {
+        if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
+            return None;
+        }
+        let warps = if d == 64 { 8 } else { 4 };
+        Some(BwdVariant { dtype, d, br: 64, warps, extras: true, wgmma: true })
+    }
+
+    /// The variant used on `arch` for `dtype`, head dim `d`, with the extras or not: on sm_90a
+    /// the Hopper kernel ([`BwdVariant::hopper_for`], [`BwdVariant::hopper_extras_for`]), else
+    /// [`BwdVariant::default_for`].
     pub fn default_on(arch: &Arch, dtype: DType, d: usize, extras: bool) -> Option<BwdVariant> {
-        if arch.has_wgmma() && !extras {
-            BwdVariant::hopper_for(dtype, d)
-        } else {
-            BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras))
+        match (arch.has_wgmma(), extras) {
+            (true, false) => BwdVariant::hopper_for(dtype, d),
+            (true, true) => BwdVariant::hopper_extras_for(dtype, d),
+            (false, _) => BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras)),
         }
     }
 
@@ -363,6 +375,13 @@ impl BwdVariant {
                     // together): correct, measured 9-14% slower than 128 queries.
                     if d == 64 {
                         v.push(BwdVariant { br: 64, ..h });
+                    }
+                }
+                if let Some(x) = BwdVariant::hopper_extras_for(dtype, d) {
+                    v.push(x);
+                    // d = 64 with the extras on one warpgroup (two blocks per multiprocessor).
+                    if d == 64 {
+                        v.push(BwdVariant { warps: 4, ..x });
                     }
                 }
             }

@@ -215,9 +215,9 @@ struct FlashBwd {
     static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES + 4 * ROW_BYTES;
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
     // Hopper: Sᵀ and dPᵀ issued together, dV left in flight under dSᵀ, at 64 queries per tile.
-    // With 128, that many live registers spill, so dPᵀ is issued once dV (waited for) has freed
-    // Pᵀ's registers.
-    static constexpr bool SDP_TOGETHER = FA_WGMMA != 0 && BR == 64;
+    // With 128 (or with the extras at d 128), that many live registers spill, so dPᵀ is issued
+    // once dV (waited for) has freed Pᵀ's registers.
+    static constexpr bool SDP_TOGETHER = FA_WGMMA != 0 && BR == 64 && !(FA_EXTRAS != 0 && D >= 128);
     // Tiles in the layout the products read: wgmma's, or ldmatrix's swizzle.
     static constexpr bool GMMA = FA_WGMMA != 0;
 #if FA_WGMMA
@@ -500,17 +500,20 @@ struct FlashBwd {
     };
 
     // The products and element-wise work of one item up to dSᵀ in shared memory and dK, dV
-    // accumulated, compiled twice: FULL (every pair visible, every row a real query) without any
-    // predicate, and the masked case. Nothing is in flight on the tensor cores where the two paths
-    // part or meet.
-    template <bool FULL>
+    // accumulated, compiled for each case: FULL (every pair visible, every row a real query)
+    // without any predicate, or the masked case; PLAIN (no score modification, no dropout: what
+    // the variants without the extras always run) without the extras' code, which, predicated
+    // off element by element, would still take the issue slots. Nothing is in flight on the
+    // tensor cores where the paths part or meet.
+    template <bool FULL, bool PLAIN>
     static __device__ __forceinline__ void item(const ItemCtx& ctx, FragC (&dk)[DT], FragC (&dv)[DT]) {
         const BwdParams& p = *ctx.p;
         const u32 sK = ctx.sK, sV = ctx.sV, sQ = ctx.sQ, sDO = ctx.sDO, sDS = ctx.sDS, l_base = ctx.l_base, d_base = ctx.d_base;
         const Visibility vis = ctx.vis;
         const int row0 = ctx.row0, rows_valid = ctx.rows_valid, col0 = ctx.col0, off = ctx.off, warp_key = ctx.warp_key;
         const int lane = ctx.lane, g = ctx.g, t = ctx.t, b = ctx.b, h = ctx.h;
-        const bool modded = ctx.modded, drop = ctx.drop;
+        const bool modded = !PLAIN && ctx.modded, drop = !PLAIN && ctx.drop;
+        const bool softcapped = FA_EXTRAS != 0 && !PLAIN && p.mod.softcap > 0.f;
         const float slope = ctx.slope;
         const unsigned char* plane = ctx.plane;
             // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
@@ -618,7 +621,7 @@ struct FlashBwd {
                     // recovered from P: the modified score is (log2 P + lse·log2 e)·ln 2 (plus
                     // the ALiBi bias taken off it), so no register holds it across the products.
                     float2 l2 = make_float2(0.f, 0.f);
-                    if (FA_EXTRAS != 0 && p.mod.softcap > 0.f) l2 = ld_shared_f32x2(l_base + 32 * nt);
+                    if (softcapped) l2 = ld_shared_f32x2(l_base + 32 * nt);
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const int col = 8 * nt + 2 * t + c;
@@ -630,7 +633,7 @@ struct FlashBwd {
                             const float pr = s[nt].x[2 * r + c];
                             // A hidden pair's dS is 0 even where dPᵀ is not finite.
                             float ds = (!FULL && pr == 0.f) ? 0.f : pr * (x - dd);
-                            if (FA_EXTRAS != 0 && p.mod.softcap > 0.f && pr != 0.f) {
+                            if (softcapped && pr != 0.f) {
                                 const int key = col0 + warp_key + g + 8 * r;
                                 float sm = (__log2f(pr) + (c ? l2.y : l2.x)) * FA_LN2;
                                 if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
@@ -697,7 +700,6 @@ struct FlashBwd {
         const int keys_valid = min(BC, sk - col0);
         const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
         const int off = sk - sq;
-        const bool modded = FA_EXTRAS != 0 && p.mod.active();
 
         // The query tiles that see this key tile: those whose key range (as the forward and the
         // deterministic ordering compute it) covers it. Monotone spans make them contiguous.
@@ -831,16 +833,25 @@ struct FlashBwd {
             // This thread's columns 8·nt + 2t, +1 of the lse·log2(e) and D rows: one 8-byte load
             // each per n-tile, at an immediate offset from these bases.
             const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
-            const bool drop = FA_EXTRAS != 0 && p.dropout.enabled;
+            // (Read from the parameters at each item: held across the loop they take registers.)
+            const bool modded = FA_EXTRAS != 0 && p.mod.active(), drop = FA_EXTRAS != 0 && p.dropout.enabled;
 
             const ItemCtx ctx{&p,  sK,         sV,  sQ,   sDO,   sDS,      l_base, d_base, vis, row0, rows_valid, col0,
                               off, warp_key, lane, g, t, b, h, modded, drop, slope, plane};
             // Every pair visible and every row a real query: no predicate. (Rows past the end hold
             // zeros; masking them too keeps a non-finite V out of dK through them.)
-            if (all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
-                item<true>(ctx, dk, dv);
-            else
-                item<false>(ctx, dk, dv);
+            const bool full = all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
+            if (FA_EXTRAS == 0 || !(modded || drop)) {
+                if (full)
+                    item<true, true>(ctx, dk, dv);
+                else
+                    item<false, true>(ctx, dk, dv);
+            } else {
+                if (full)
+                    item<true, false>(ctx, dk, dv);
+                else
+                    item<false, false>(ctx, dk, dv);
+            }
             __syncthreads();  // dSᵀ complete
 
             // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
