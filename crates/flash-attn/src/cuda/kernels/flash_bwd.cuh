@@ -516,177 +516,177 @@ struct FlashBwd {
         const bool softcapped = FA_EXTRAS != 0 && !PLAIN && p.mod.softcap > 0.f;
         const float slope = ctx.slope;
         const unsigned char* plane = ctx.plane;
-            // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
-            FragC s[NT];
+        // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
+        FragC s[NT];
 #if FA_WGMMA
-            // Sᵀ and (SDP_TOGETHER) dPᵀ = V dOᵀ back to back; dK, and dV where SDP_TOGETHER,
-            // stay in flight under the element-wise work until the wait at the end.
-            static_assert(PARTS == 1, "the Hopper kernel computes dPᵀ whole");
-            FragC dp[NT];
-            FragA pa[BR / 16], da[NT / 2];
-            scores_t<NT, false>(s, sK, sQ, 0, warp_key, lane);
-            if (SDP_TOGETHER) scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
-            wgmma_wait<0>();
-            fence_operands(s);
-            if (SDP_TOGETHER) fence_operands(dp);
+        // Sᵀ and (SDP_TOGETHER) dPᵀ = V dOᵀ back to back; dK, and dV where SDP_TOGETHER,
+        // stay in flight under the element-wise work until the wait at the end.
+        static_assert(PARTS == 1, "the Hopper kernel computes dPᵀ whole");
+        FragC dp[NT];
+        FragA pa[BR / 16], da[NT / 2];
+        scores_t<NT, false>(s, sK, sQ, 0, warp_key, lane);
+        if (SDP_TOGETHER) scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
+        wgmma_wait<0>();
+        fence_operands(s);
+        if (SDP_TOGETHER) fence_operands(dp);
 #else
-            scores_t(s, sK, sQ, 0, warp_key, lane);
+        scores_t(s, sK, sQ, 0, warp_key, lane);
 #endif
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const float2 lv = ld_shared_f32x2(l_base + 32 * nt);
+        for (int nt = 0; nt < NT; ++nt) {
+            const float2 lv = ld_shared_f32x2(l_base + 32 * nt);
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int col = 8 * nt + 2 * t + c;
-                    const float l = c ? lv.y : lv.x;
-                    int lo = 0, hi = 0;
-                    if (!FULL && col < rows_valid) vis.span(row0 + col, lo, hi);
+            for (int c = 0; c < 2; ++c) {
+                const int col = 8 * nt + 2 * t + c;
+                const float l = c ? lv.y : lv.x;
+                int lo = 0, hi = 0;
+                if (!FULL && col < rows_valid) vis.span(row0 + col, lo, hi);
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int key = col0 + warp_key + g + 8 * r;
-                        float e;
-                        if (modded) {
-                            float th;
-                            const float xm =
-                                p.mod.apply(s[nt].x[2 * r + c] * p.mod.scale, slope, row0 + col + off - key, th);
-                            e = fmaf(xm, FA_LOG2E, -l);
-                        } else {
-                            e = fmaf(s[nt].x[2 * r + c], p.scale_log2, -l);
-                        }
-                        float x = fast_exp2(e);
-                        if (!FULL && (key < lo || key >= hi ||
-                                      (FA_EXTRAS != 0 && plane && !p.block.visible(plane, row0 + col, key))))
-                            x = 0.f;
-                        s[nt].x[2 * r + c] = x;
-                    }
-                }
-            }
-
-            u32 bits[(NT + 7) / 8];
-            if (drop) keep_bits(bits, p.dropout, (u32)(b * p.hq + h), row0, col0 + warp_key, lane);
-
-            // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p).
-            {
-#if !FA_WGMMA
-                FragA pa[BR / 16];
-#endif
-#pragma unroll
-                for (int kk = 0; kk < BR / 16; ++kk) {
-                    if (drop) {
-                        float x[8];
-#pragma unroll
-                        for (int h2 = 0; h2 < 2; ++h2)
-#pragma unroll
-                            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                                for (int c = 0; c < 2; ++c) {
-                                    const int nt = 2 * kk + h2;
-                                    x[4 * h2 + 2 * r + c] =
-                                        s[nt].x[2 * r + c] * (kept(bits, nt, r, c) ? p.dropout.scale : 0.f);
-                                }
-                        pa[kk].x[0] = pack2<BF16>(x[0], x[1]);
-                        pa[kk].x[1] = pack2<BF16>(x[2], x[3]);
-                        pa[kk].x[2] = pack2<BF16>(x[4], x[5]);
-                        pa[kk].x[3] = pack2<BF16>(x[6], x[7]);
+                for (int r = 0; r < 2; ++r) {
+                    const int key = col0 + warp_key + g + 8 * r;
+                    float e;
+                    if (modded) {
+                        float th;
+                        const float xm =
+                            p.mod.apply(s[nt].x[2 * r + c] * p.mod.scale, slope, row0 + col + off - key, th);
+                        e = fmaf(xm, FA_LOG2E, -l);
                     } else {
-                        pa[kk] = scores_to_a<BF16>(s[2 * kk], s[2 * kk + 1]);
+                        e = fmaf(s[nt].x[2 * r + c], p.scale_log2, -l);
                     }
+                    float x = fast_exp2(e);
+                    if (!FULL && (key < lo || key >= hi ||
+                                  (FA_EXTRAS != 0 && plane && !p.block.visible(plane, row0 + col, key))))
+                        x = 0.f;
+                    s[nt].x[2 * r + c] = x;
                 }
-                accumulate_t<BR / 16, FA_WGMMA == 0 || !SDP_TOGETHER>(dv, pa, sDO, 0, lane);
             }
-#if FA_WGMMA
-            if (!SDP_TOGETHER) {
-                scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
-                wgmma_wait<0>();
-                fence_operands(dp);
-            }
-#endif
+        }
 
-            // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D); dK += dSᵀ Q. In PARTS slices of
-            // the queries, so only a slice of dPᵀ is live next to Pᵀ, dK and dV (registers are
-            // full).
-#pragma unroll
-            for (int part = 0; part < PARTS; ++part) {
-                constexpr int PN = NT / PARTS;  // n-tiles (8 queries) per part
+        u32 bits[(NT + 7) / 8];
+        if (drop) keep_bits(bits, p.dropout, (u32)(b * p.hq + h), row0, col0 + warp_key, lane);
+
+        // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p).
+        {
 #if !FA_WGMMA
-                FragC dp[PN];
-                scores_t(dp, sV, sDO, 8 * PN * part, warp_key, lane);
-                FragA da[PN / 2];
+            FragA pa[BR / 16];
 #endif
 #pragma unroll
-                for (int i = 0; i < PN; ++i) {
-                    const int nt = part * PN + i;
-                    const float2 dv2 = ld_shared_f32x2(d_base + 32 * nt);
-                    // Softcap: dS is also multiplied by d(c·tanh(x/c))/dx = 1 - tanh². tanh is
-                    // recovered from P: the modified score is (log2 P + lse·log2 e)·ln 2 (plus
-                    // the ALiBi bias taken off it), so no register holds it across the products.
-                    float2 l2 = make_float2(0.f, 0.f);
-                    if (softcapped) l2 = ld_shared_f32x2(l_base + 32 * nt);
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int col = 8 * nt + 2 * t + c;
-                        const float dd = c ? dv2.y : dv2.x;
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) {
-                            float x = dp[i].x[2 * r + c];
-                            if (drop) x *= kept(bits, nt, r, c) ? p.dropout.scale : 0.f;
-                            const float pr = s[nt].x[2 * r + c];
-                            // A hidden pair's dS is 0 even where dPᵀ is not finite.
-                            float ds = (!FULL && pr == 0.f) ? 0.f : pr * (x - dd);
-                            if (softcapped && pr != 0.f) {
-                                const int key = col0 + warp_key + g + 8 * r;
-                                float sm = (__log2f(pr) + (c ? l2.y : l2.x)) * FA_LN2;
-                                if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
-                                const float th = sm / p.mod.softcap;
-                                ds *= 1.f - th * th;
-                            }
-                            dp[i].x[2 * r + c] = ds;
-                        }
-                    }
-                }
-#pragma unroll
-                for (int kk = 0; kk < PN / 2; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
-
-                // dSᵀ to shared memory ([key][query], swizzled) for dQ, before the barrier.
-#if FA_WGMMA
-                // One stmatrix per 16 x 16 fragment: matrix i is rows 8·(i & 1) of the warp's
-                // 16 keys at query chunk 2·kk + (i >> 1); lanes 8i .. 8i + 7 address its rows.
-                {
-                    const int i = lane >> 3, row = warp_key + (lane & 7) + 8 * (i & 1);
-#pragma unroll
-                    for (int kk = 0; kk < PN / 2; ++kk) {
-                        const int chunk = 2 * (part * PN / 2 + kk) + (i >> 1);
-                        stmatrix_x4(sDS + ds_offset(row, chunk), da[kk].x[0], da[kk].x[1], da[kk].x[2],
-                                    da[kk].x[3]);
-                    }
-                }
-#else
-#pragma unroll
-                for (int kk = 0; kk < PN / 2; ++kk)
+            for (int kk = 0; kk < BR / 16; ++kk) {
+                if (drop) {
+                    float x[8];
 #pragma unroll
                     for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
-                        for (int r = 0; r < 2; ++r) {
-                            const int row = warp_key + g + 8 * r, chunk = 2 * (part * PN / 2 + kk) + h2;
-                            const u32 word = da[kk].x[2 * h2 + r];
-                            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + ds_offset(row, chunk) + 4 * t),
-                                         "r"(word));
-                        }
+                        for (int r = 0; r < 2; ++r)
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) {
+                                const int nt = 2 * kk + h2;
+                                x[4 * h2 + 2 * r + c] =
+                                    s[nt].x[2 * r + c] * (kept(bits, nt, r, c) ? p.dropout.scale : 0.f);
+                            }
+                    pa[kk].x[0] = pack2<BF16>(x[0], x[1]);
+                    pa[kk].x[1] = pack2<BF16>(x[2], x[3]);
+                    pa[kk].x[2] = pack2<BF16>(x[4], x[5]);
+                    pa[kk].x[3] = pack2<BF16>(x[6], x[7]);
+                } else {
+                    pa[kk] = scores_to_a<BF16>(s[2 * kk], s[2 * kk + 1]);
+                }
+            }
+            accumulate_t<BR / 16, FA_WGMMA == 0 || !SDP_TOGETHER>(dv, pa, sDO, 0, lane);
+        }
+#if FA_WGMMA
+        if (!SDP_TOGETHER) {
+            scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
+            wgmma_wait<0>();
+            fence_operands(dp);
+        }
 #endif
 
-                // dK += dSᵀ Q (the scale is applied once at the end).
-                accumulate_t<PN / 2, FA_WGMMA == 0>(dk, da, sQ, 8 * PN * part, lane);
+        // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ ∘ keep / (1 - p) - D); dK += dSᵀ Q. In PARTS slices of
+        // the queries, so only a slice of dPᵀ is live next to Pᵀ, dK and dV (registers are
+        // full).
+#pragma unroll
+        for (int part = 0; part < PARTS; ++part) {
+            constexpr int PN = NT / PARTS;  // n-tiles (8 queries) per part
+#if !FA_WGMMA
+            FragC dp[PN];
+            scores_t(dp, sV, sDO, 8 * PN * part, warp_key, lane);
+            FragA da[PN / 2];
+#endif
+#pragma unroll
+            for (int i = 0; i < PN; ++i) {
+                const int nt = part * PN + i;
+                const float2 dv2 = ld_shared_f32x2(d_base + 32 * nt);
+                // Softcap: dS is also multiplied by d(c·tanh(x/c))/dx = 1 - tanh². tanh is
+                // recovered from P: the modified score is (log2 P + lse·log2 e)·ln 2 (plus
+                // the ALiBi bias taken off it), so no register holds it across the products.
+                float2 l2 = make_float2(0.f, 0.f);
+                if (softcapped) l2 = ld_shared_f32x2(l_base + 32 * nt);
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = 8 * nt + 2 * t + c;
+                    const float dd = c ? dv2.y : dv2.x;
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        float x = dp[i].x[2 * r + c];
+                        if (drop) x *= kept(bits, nt, r, c) ? p.dropout.scale : 0.f;
+                        const float pr = s[nt].x[2 * r + c];
+                        // A hidden pair's dS is 0 even where dPᵀ is not finite.
+                        float ds = (!FULL && pr == 0.f) ? 0.f : pr * (x - dd);
+                        if (softcapped && pr != 0.f) {
+                            const int key = col0 + warp_key + g + 8 * r;
+                            float sm = (__log2f(pr) + (c ? l2.y : l2.x)) * FA_LN2;
+                            if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
+                            const float th = sm / p.mod.softcap;
+                            ds *= 1.f - th * th;
+                        }
+                        dp[i].x[2 * r + c] = ds;
+                    }
+                }
             }
+#pragma unroll
+            for (int kk = 0; kk < PN / 2; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
+
+            // dSᵀ to shared memory ([key][query], swizzled) for dQ, before the barrier.
 #if FA_WGMMA
-            fence_proxy_async();  // dSᵀ was written by the generic proxy; the dQ wgmma reads it
-            // dV and dK complete: their registers (and pa, da) are free again after this.
-            wgmma_wait<0>();
-            fence_operands(dv);
-            fence_operands(dk);
+            // One stmatrix per 16 x 16 fragment: matrix i is rows 8·(i & 1) of the warp's
+            // 16 keys at query chunk 2·kk + (i >> 1); lanes 8i .. 8i + 7 address its rows.
+            {
+                const int i = lane >> 3, row = warp_key + (lane & 7) + 8 * (i & 1);
 #pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk) fence_operands(pa[kk]);
+                for (int kk = 0; kk < PN / 2; ++kk) {
+                    const int chunk = 2 * (part * PN / 2 + kk) + (i >> 1);
+                    stmatrix_x4(sDS + ds_offset(row, chunk), da[kk].x[0], da[kk].x[1], da[kk].x[2],
+                                da[kk].x[3]);
+                }
+            }
+#else
 #pragma unroll
-            for (int kk = 0; kk < NT / 2; ++kk) fence_operands(da[kk]);
+            for (int kk = 0; kk < PN / 2; ++kk)
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = warp_key + g + 8 * r, chunk = 2 * (part * PN / 2 + kk) + h2;
+                        const u32 word = da[kk].x[2 * h2 + r];
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + ds_offset(row, chunk) + 4 * t),
+                                     "r"(word));
+                    }
+#endif
+
+            // dK += dSᵀ Q (the scale is applied once at the end).
+            accumulate_t<PN / 2, FA_WGMMA == 0>(dk, da, sQ, 8 * PN * part, lane);
+        }
+#if FA_WGMMA
+        fence_proxy_async();  // dSᵀ was written by the generic proxy; the dQ wgmma reads it
+        // dV and dK complete: their registers (and pa, da) are free again after this.
+        wgmma_wait<0>();
+        fence_operands(dv);
+        fence_operands(dk);
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk) fence_operands(pa[kk]);
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) fence_operands(da[kk]);
 #endif
     }
 
