@@ -278,7 +278,7 @@ impl BwdVariant {
 
     /// Spill bytes that `kernels --compile-all` tolerates for this variant. Zero, except at
     /// d = 128 on the mma.sync path: a warp's dK and dV accumulators take 128 of the 255
-    /// registers, and ptxas spills 24 to 56 bytes of loop-invariant values (tile bases, loop
+    /// registers, and ptxas spills 24 to 72 bytes of loop-invariant values (tile bases, loop
     /// bounds, read once per query tile) in every arrangement tried (docs/cuda-notes.md, v3 and
     /// backward v3). The budget is there so that a change that spills more, or spills anywhere
     /// else, fails.
