@@ -744,7 +744,7 @@ struct FlashBwd {
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
 
-        // Work item w: query head h_first + w / per_head, query tile m_lo + w % per_head.
+        // Work item w: query head hkv · group + w / per_head, query tile m_lo + w % per_head.
         auto item_of = [&](int w, int& h, int& m) {
             const int n = ld_shared_s32(info + 16);
             const unsigned q = (unsigned)w / (unsigned)n;
@@ -836,7 +836,7 @@ struct FlashBwd {
             // (Read from the parameters at each item: held across the loop they take registers.)
             const bool modded = FA_EXTRAS != 0 && p.mod.active(), drop = FA_EXTRAS != 0 && p.dropout.enabled;
 
-            const ItemCtx ctx{&p,  sK,         sV,  sQ,   sDO,   sDS,      l_base, d_base, vis, row0, rows_valid, col0,
+            const ItemCtx ctx{&p, sK, sV, sQ, sDO, sDS, l_base, d_base, vis, row0, rows_valid, col0,
                               off, warp_key, lane, g, t, b, h, modded, drop, slope, plane};
             // Every pair visible and every row a real query: no predicate. (Rows past the end hold
             // zeros; masking them too keeps a non-finite V out of dK through them.)
