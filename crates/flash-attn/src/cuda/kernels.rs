@@ -254,13 +254,15 @@ impl BwdVariant {
         self.warps * 32
     }
 
-    /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO, dSᵀ, and two buffers
-    /// each of a tile's lse and D.
+    /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO, dSᵀ (two buffers in
+    /// the two-warpgroup Hopper kernel, whose dQ product runs under the next item's start), and
+    /// two buffers each of a tile's lse and D.
     /// The Hopper kernel adds 1 KiB to align its tiles to the 128-byte swizzle's 1024-byte period.
     pub fn smem_bytes(&self) -> usize {
         let bc = self.block_keys();
         let align = if self.wgmma { 1024 } else { 0 };
-        2 * bc * self.d * 2 + 4 * self.br * self.d * 2 + bc * self.br * 2 + 4 * self.br * 4 + align
+        let ds_buffers = if self.wgmma && self.warps == 8 { 2 } else { 1 };
+        2 * bc * self.d * 2 + 4 * self.br * self.d * 2 + ds_buffers * bc * self.br * 2 + 4 * self.br * 4 + align
     }
 
     /// A name that says everything that changes the binary, e.g. `flash_bwd_bf16_d128_r64_w4`

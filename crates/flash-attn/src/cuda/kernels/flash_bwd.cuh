@@ -211,8 +211,13 @@ struct FlashBwd {
     // reads of V. An experiment knob (FA_PARTS, default 1): 2 measured no faster (v3 notes).
     static constexpr int PARTS = FA_PARTS;
     static_assert(NT % (2 * PARTS) == 0, "parts of whole 16-query pairs");
-    // K, V | Q[2], dO[2] | dSᵀ | lse[2], D[2]
-    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES + 4 * ROW_BYTES;
+    // Hopper with two warpgroups: dQ = dS K of an item is issued and left in flight; the next
+    // item waits for it (and adds it to dQaccum) after issuing its own Sᵀ. dSᵀ is then
+    // double-buffered. (One warpgroup a block runs two blocks per multiprocessor, whose shared
+    // memory leaves no room for the second buffer.)
+    static constexpr bool DEFER_DQ = FA_WGMMA != 0 && WARPS == 8;
+    // K, V | Q[2], dO[2] | dSᵀ (two with DEFER_DQ) | lse[2], D[2]
+    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + (DEFER_DQ ? 2 : 1) * DS_BYTES + 4 * ROW_BYTES;
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
     // Hopper: Sᵀ and dPᵀ issued together, dV left in flight under dSᵀ, at 64 queries per tile.
     // With 128 (or with the extras at d 128), that many live registers spill, so dPᵀ is issued
@@ -364,17 +369,12 @@ struct FlashBwd {
         return (bits[bit / 32] >> (bit % 32)) & 1u;
     }
 
-    // dQ_tile += dS K for every 16-query × 32-column unit this warp takes, added to the f32
-    // accumulator in global memory (rows past the sequence end skipped).
-    static __device__ __forceinline__ void accumulate_dq(u32 sDS, u32 sK, float* acc, long long acc_row,
-                                                         int rows_valid, int head_dim, int warp, int lane) {
-        const int g = lane >> 2, t = lane & 3;
 #if FA_WGMMA
-        // Warpgroup w: query rows m0 .. m0 + 63, columns n0 .. n0 + NQ - 1. A = dS read from dSᵀ
-        // ([key][query], MN-major: transposed), B = K ([key][d], MN-major: transposed).
+    // Issues dQ = dS K for this warpgroup's piece as one wgmma group: query rows m0 .. m0 + 63,
+    // columns n0 .. n0 + NQ - 1. A = dS read from dSᵀ ([key][query], MN-major: transposed), B = K
+    // ([key][d], MN-major: transposed).
+    static __device__ __forceinline__ void issue_dq(FragC (&d)[NQ / 8], u32 sDS, u32 sK, int warp) {
         const int wg = warp / 4, m0 = 64 * (wg / NSPLIT), n0 = NQ * (wg % NSPLIT);
-        if (n0 >= head_dim) return;  // padding columns only: dQ there is never read
-        FragC d[NQ / 8];
         fence_operands(d);
         wgmma_fence();
 #pragma unroll
@@ -384,8 +384,14 @@ struct FlashBwd {
             wgmma_ss<NQ, 1, 1>(d, da, db, kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(d);
+    }
+
+    // Adds this warp's rows of a completed dQ piece to the f32 accumulator (rows past the
+    // sequence end and padding columns skipped).
+    static __device__ __forceinline__ void add_dq(const FragC (&d)[NQ / 8], float* acc, long long acc_row,
+                                                  int rows_valid, int head_dim, int warp, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+        const int wg = warp / 4, m0 = 64 * (wg / NSPLIT), n0 = NQ * (wg % NSPLIT);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + 16 * (warp % 4) + g + 8 * r;
@@ -401,7 +407,61 @@ struct FlashBwd {
                 }
             }
         }
+    }
+    static constexpr int DQ_FRAGS = NQ / 8;
+
+    // The previous item's dQ piece, complete (the caller waited for it): added to dQaccum, in
+    // key-tile order in deterministic mode. The previous item's (head, tile) are in shared memory
+    // at `info` + 20 and + 24 (tile -1: there is none). Every thread of the block calls it.
+    static __device__ __forceinline__ void flush_dq(const BwdParams& p, const FragC (&dq)[NQ / 8], u32 info,
+                                                    const Visibility& vis, int n_block, int tid, int warp, int lane) {
+        const int m = ld_shared_s32(info + 24);
+        if (m < 0) return;
+        const int h = ld_shared_s32(info + 20), b = ld_shared_s32(info);
+        const int row0 = m * BR, rows_valid = min(BR, vis.sq - row0);
+        // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
+        const long long acc_tok =
+            p.cu_seqlens_q ? (long long)ld_shared_s32(info + 4) + row0 : (long long)b * p.sq + row0;
+        float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
+        if (p.deterministic) {
+            // Key tiles add in increasing order: wait for this tile's turn on (b, h, m).
+            int lo, hi;
+            vis.key_range(row0, row0 + rows_valid, lo, hi);
+            const int rank = n_block - lo / BC;
+            int* sem = p.dq_sem + ((long long)b * p.hq + h) * p.num_m_blocks + m;
+            if (tid == 0) {
+                int seen;
+                do {
+                    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+                } while (seen != rank);
+            }
+            __syncthreads();
+            add_dq(dq, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
+        } else {
+            add_dq(dq, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
+        }
+    }
 #else
+    static constexpr int DQ_FRAGS = 1;  // no dQ held across items
+#endif
+
+    // dQ_tile += dS K for every 16-query × 32-column unit this warp takes, added to the f32
+    // accumulator in global memory (rows past the sequence end skipped).
+    static __device__ __forceinline__ void accumulate_dq(u32 sDS, u32 sK, float* acc, long long acc_row,
+                                                         int rows_valid, int head_dim, int warp, int lane) {
+#if FA_WGMMA
+        const int wg = warp / 4, n0 = NQ * (wg % NSPLIT);
+        if (n0 >= head_dim) return;  // padding columns only: dQ there is never read
+        FragC d[NQ / 8];
+        issue_dq(d, sDS, sK, warp);
+        wgmma_wait<0>();
+        fence_operands(d);
+        add_dq(d, acc, acc_row, rows_valid, head_dim, warp, lane);
+#else
+        const int g = lane >> 2, t = lane & 3;
         constexpr int UNITS = (BR / 16) * (D / 32);
         for (int u = warp; u < UNITS; u += WARPS) {
             const int m0 = 16 * (u / (D / 32)), c0 = 32 * (u % (D / 32));
@@ -493,7 +553,8 @@ struct FlashBwd {
         const BwdParams* p;
         u32 sK, sV, sQ, sDO, sDS, l_base, d_base;
         Visibility vis;
-        int row0, rows_valid, col0, off, warp_key, lane, g, t, b, h;
+        int row0, rows_valid, col0, off, warp_key, lane, g, t, b, h, tid, warp;
+        u32 info;
         bool modded, drop;
         float slope;
         const unsigned char* plane;
@@ -506,7 +567,8 @@ struct FlashBwd {
     // off element by element, would still take the issue slots. Nothing is in flight on the
     // tensor cores where the paths part or meet.
     template <bool FULL, bool PLAIN>
-    static __device__ __forceinline__ void item(const ItemCtx& ctx, FragC (&dk)[DT], FragC (&dv)[DT]) {
+    static __device__ __forceinline__ void item(const ItemCtx& ctx, FragC (&dk)[DT], FragC (&dv)[DT],
+                                                FragC (&dq)[DQ_FRAGS]) {
         const BwdParams& p = *ctx.p;
         const u32 sK = ctx.sK, sV = ctx.sV, sQ = ctx.sQ, sDO = ctx.sDO, sDS = ctx.sDS, l_base = ctx.l_base, d_base = ctx.d_base;
         const Visibility vis = ctx.vis;
@@ -526,6 +588,14 @@ struct FlashBwd {
         FragA pa[BR / 16], da[NT / 2];
         scores_t<NT, false>(s, sK, sQ, 0, warp_key, lane);
         if (SDP_TOGETHER) scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
+        if constexpr (DEFER_DQ) {
+            // The previous item's dQ ran under this item's start (its copies, its barrier, the
+            // issue of these products); added now. (Waiting for it alone, wait<1>, leaves ptxas
+            // unable to tell which group completed across the loop: it serialises every wgmma.)
+            wgmma_wait<0>();
+            fence_operands(dq);
+            flush_dq(p, dq, ctx.info, vis, col0 / BC, ctx.tid, ctx.warp, lane);
+        }
         wgmma_wait<0>();
         fence_operands(s);
         if (SDP_TOGETHER) fence_operands(dp);
@@ -715,7 +785,8 @@ struct FlashBwd {
         }
 
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + 2 * Q_BYTES,
-                  sDS = sDO0 + 2 * Q_BYTES, sL0 = sDS + DS_BYTES, sD0 = sL0 + 2 * ROW_BYTES;
+                  sDS0 = sDO0 + 2 * Q_BYTES, sL0 = sDS0 + (DEFER_DQ ? 2 : 1) * DS_BYTES,
+                  sD0 = sL0 + 2 * ROW_BYTES;
         const int warp_key = 16 * warp;
 
         const int per_head = max(m_hi - m_lo, 0);
@@ -725,24 +796,30 @@ struct FlashBwd {
         // and first query token of the block's sequence, the first query head of the group, the
         // first query tile and the tiles per head. Held in registers across the loop they are what
         // spills; re-derived from the block index they cost integer divisions per item.
-        __shared__ int s_info[5];
+        __shared__ int s_info[7];
         if (tid == 0) {
             s_info[0] = b;
             s_info[1] = q_start;
             s_info[2] = hkv * p.group;
             s_info[3] = m_lo;
             s_info[4] = per_head;
+            s_info[5] = 0;   // DEFER_DQ: the (head, tile) of the dQ piece in flight;
+            s_info[6] = -1;  // none yet
         }
         const u32 info = smem_addr(s_info);
 
         const u16* gK = p.k + b * p.k_batch + (long long)(bc.k_start + col0) * p.k_row + hkv * p.k_head;
         const u16* gV = p.v + b * p.v_batch + (long long)(bc.k_start + col0) * p.v_row + hkv * p.v_head;
 
-        FragC dk[DT], dv[DT];
+        FragC dk[DT], dv[DT], dq[DQ_FRAGS];
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DQ_FRAGS; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[i].x[e] = 0.f;
 
         // Work item w: query head hkv · group + w / per_head, query tile m_lo + w % per_head.
         auto item_of = [&](int w, int& h, int& m) {
@@ -830,6 +907,7 @@ struct FlashBwd {
             const int lane = (int)opaque((u32)lane_id);
             const u32 sQ = sQ0 + buf * Q_BYTES, sDO = sDO0 + buf * Q_BYTES;
             const u32 sL = sL0 + buf * ROW_BYTES, sD = sD0 + buf * ROW_BYTES;
+            const u32 sDS = sDS0 + (DEFER_DQ ? buf * DS_BYTES : 0);
             // This thread's columns 8·nt + 2t, +1 of the lse·log2(e) and D rows: one 8-byte load
             // each per n-tile, at an immediate offset from these bases.
             const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
@@ -837,45 +915,56 @@ struct FlashBwd {
             const bool modded = FA_EXTRAS != 0 && p.mod.active(), drop = FA_EXTRAS != 0 && p.dropout.enabled;
 
             const ItemCtx ctx{&p, sK, sV, sQ, sDO, sDS, l_base, d_base, vis, row0, rows_valid, col0,
-                              off, warp_key, lane, g, t, b, h, modded, drop, slope, plane};
+                              off, warp_key, lane, g, t, b, h, tid, warp, info, modded, drop, slope, plane};
             // Every pair visible and every row a real query: no predicate. (Rows past the end hold
             // zeros; masking them too keeps a non-finite V out of dK through them.)
             const bool full = all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
             if (FA_EXTRAS == 0 || !(modded || drop)) {
                 if (full)
-                    item<true, true>(ctx, dk, dv);
+                    item<true, true>(ctx, dk, dv, dq);
                 else
-                    item<false, true>(ctx, dk, dv);
+                    item<false, true>(ctx, dk, dv, dq);
             } else {
                 if (full)
-                    item<true, false>(ctx, dk, dv);
+                    item<true, false>(ctx, dk, dv, dq);
                 else
-                    item<false, false>(ctx, dk, dv);
+                    item<false, false>(ctx, dk, dv, dq);
             }
             __syncthreads();  // dSᵀ complete
 
-            // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
-            const long long acc_tok = p.cu_seqlens_q ? (long long)q_start + row0 : (long long)b * p.sq + row0;
-            float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
-            if (p.deterministic) {
-                // Key tiles add in increasing order: wait for this tile's turn on (b, h, m).
-                int lo, hi;
-                vis.key_range(row0, row0 + rows_valid, lo, hi);
-                const int rank = n_block - lo / BC;
-                int* sem = p.dq_sem + ((long long)b * p.hq + h) * p.num_m_blocks + m;
+            if constexpr (DEFER_DQ) {
+#if FA_WGMMA
+                // dQ of this item: issued now, added by the next item (or after the loop).
+                issue_dq(dq, sDS, sK, warp);
                 if (tid == 0) {
-                    int seen;
-                    do {
-                        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-                    } while (seen != rank);
+                    s_info[5] = h;
+                    s_info[6] = m;
                 }
-                __syncthreads();
-                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
-                __threadfence();
-                __syncthreads();
-                if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
+#endif
             } else {
-                accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
+                // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
+                const long long acc_tok = p.cu_seqlens_q ? (long long)q_start + row0 : (long long)b * p.sq + row0;
+                float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
+                if (p.deterministic) {
+                    // Key tiles add in increasing order: wait for this tile's turn on (b, h, m).
+                    int lo, hi;
+                    vis.key_range(row0, row0 + rows_valid, lo, hi);
+                    const int rank = n_block - lo / BC;
+                    int* sem = p.dq_sem + ((long long)b * p.hq + h) * p.num_m_blocks + m;
+                    if (tid == 0) {
+                        int seen;
+                        do {
+                            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+                        } while (seen != rank);
+                    }
+                    __syncthreads();
+                    accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
+                    __threadfence();
+                    __syncthreads();
+                    if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
+                } else {
+                    accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
+                }
             }
             // The next item again (the same answer as above), rather than held in registers across
             // this one.
@@ -884,6 +973,14 @@ struct FlashBwd {
             buf ^= 1;
         }
 
+#if FA_WGMMA
+        if constexpr (DEFER_DQ) {
+            __syncthreads();  // the last item's (head, tile), written by thread 0 after its dSᵀ barrier
+            wgmma_wait<0>();
+            fence_operands(dq);
+            flush_dq(p, dq, info, vis, n_block, tid, warp, lane_id);
+        }
+#endif
         const BlockCoords e = block_coords(p);
         const long long k0 = e.k_start + e.n_block * BC;
         const int kv = min(BC, e.sk - e.n_block * BC);
