@@ -369,6 +369,36 @@ struct FlashBwd {
         return (bits[bit / 32] >> (bit % 32)) & 1u;
     }
 
+    // Adds the dQ of query tile m of head h (batch entry b) to dQaccum from its row acc_tok (rows
+    // are flattened tokens: b·sq + i for fixed length, the packed index for varlen) by
+    // `add(acc, acc_row, rows_valid)`: in deterministic mode in key-tile order, after waiting
+    // for this key tile's turn on (b, h, m). Every thread of the block calls it.
+    template <class Add>
+    static __device__ __forceinline__ void add_dq_in_order(const BwdParams& p, const Visibility& vis, int b, int h,
+                                                           int m, long long acc_tok, int n_block, int tid, Add add) {
+        const int row0 = m * BR, rows_valid = min(BR, vis.sq - row0);
+        float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
+        if (p.deterministic) {
+            int lo, hi;
+            vis.key_range(row0, row0 + rows_valid, lo, hi);
+            const int rank = n_block - lo / BC;
+            int* sem = p.dq_sem + ((long long)b * p.hq + h) * p.num_m_blocks + m;
+            if (tid == 0) {
+                int seen;
+                do {
+                    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+                } while (seen != rank);
+            }
+            __syncthreads();
+            add(acc, (long long)p.hq * D, rows_valid);
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
+        } else {
+            add(acc, (long long)p.hq * D, rows_valid);
+        }
+    }
+
 #if FA_WGMMA
     // Issues dQ = dS K for this warpgroup's piece as one wgmma group: query rows m0 .. m0 + 63,
     // columns n0 .. n0 + NQ - 1. A = dS read from dSᵀ ([key][query], MN-major: transposed), B = K
@@ -418,31 +448,11 @@ struct FlashBwd {
         const int m = ld_shared_s32(info + 24);
         if (m < 0) return;
         const int h = ld_shared_s32(info + 20), b = ld_shared_s32(info);
-        const int row0 = m * BR, rows_valid = min(BR, vis.sq - row0);
-        // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
         const long long acc_tok =
-            p.cu_seqlens_q ? (long long)ld_shared_s32(info + 4) + row0 : (long long)b * p.sq + row0;
-        float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
-        if (p.deterministic) {
-            // Key tiles add in increasing order: wait for this tile's turn on (b, h, m).
-            int lo, hi;
-            vis.key_range(row0, row0 + rows_valid, lo, hi);
-            const int rank = n_block - lo / BC;
-            int* sem = p.dq_sem + ((long long)b * p.hq + h) * p.num_m_blocks + m;
-            if (tid == 0) {
-                int seen;
-                do {
-                    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-                } while (seen != rank);
-            }
-            __syncthreads();
-            add_dq(dq, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
-        } else {
-            add_dq(dq, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
-        }
+            p.cu_seqlens_q ? (long long)ld_shared_s32(info + 4) + m * BR : (long long)b * p.sq + m * BR;
+        add_dq_in_order(p, vis, b, h, m, acc_tok, n_block, tid, [&](float* acc, long long acc_row, int rows_valid) {
+            add_dq(dq, acc, acc_row, rows_valid, p.d, warp, lane);
+        });
     }
 #else
     static constexpr int DQ_FRAGS = 1;  // no dQ held across items
@@ -942,29 +952,11 @@ struct FlashBwd {
                 }
 #endif
             } else {
-                // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index.
                 const long long acc_tok = p.cu_seqlens_q ? (long long)q_start + row0 : (long long)b * p.sq + row0;
-                float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
-                if (p.deterministic) {
-                    // Key tiles add in increasing order: wait for this tile's turn on (b, h, m).
-                    int lo, hi;
-                    vis.key_range(row0, row0 + rows_valid, lo, hi);
-                    const int rank = n_block - lo / BC;
-                    int* sem = p.dq_sem + ((long long)b * p.hq + h) * p.num_m_blocks + m;
-                    if (tid == 0) {
-                        int seen;
-                        do {
-                            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-                        } while (seen != rank);
-                    }
-                    __syncthreads();
-                    accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
-                    __threadfence();
-                    __syncthreads();
-                    if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
-                } else {
-                    accumulate_dq(sDS, sK, acc, (long long)p.hq * D, rows_valid, p.d, warp, lane);
-                }
+                add_dq_in_order(p, vis, b, h, m, acc_tok, n_block, tid,
+                                [&](float* acc, long long acc_row, int rows_valid) {
+                                    accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
+                                });
             }
             // The next item again (the same answer as above), rather than held in registers across
             // this one.
