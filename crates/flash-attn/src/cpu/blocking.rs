@@ -10,8 +10,9 @@
 const L2_BUDGET: usize = 1 << 20;
 
 /// Bytes of packed key/value tiles one thread of the forward pass keeps for its current
-/// (sequence, kv head): 4 MiB (twice L2) holds `Kᵀ` of 8k keys at d = 128 in `f32`, or `Kᵀ`
-/// and `V` as `bf16` pairs. Key tiles past it are packed per query tile, as without a cache.
+/// (sequence, kv head): 4 MiB (twice L2) holds `Kᵀ` and `V` of 8k keys at d = 128 as `bf16`
+/// pairs; in `f32`, `Kᵀ` and `V` have 4 MiB each (8k keys at d = 128). Key tiles past it are
+/// packed per query tile (`f32` `V`: read in place), as without a cache.
 pub const KV_CACHE_BUDGET: usize = 4 << 20;
 
 /// Bytes of packed query tiles (`Q` and `dO` as `bf16` pairs, in the two layouts of the products)

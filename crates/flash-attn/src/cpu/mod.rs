@@ -207,9 +207,11 @@ fn forward_with_cache_budget<T: Element>(
         v_finite,
         bf16,
     };
+    // V is packed once per unit unless its rows can be read in place as they are (f32, contiguous).
+    let pack_v = T::as_f32(v.data()).is_none() || g.v.token_stride != g.dv;
     for_each_dynamic(
         &units,
-        || forward::Scratch::new(g, tiles, bf16.is_some(), cache_budget),
+        || forward::Scratch::new(g, tiles, bf16.is_some(), pack_v, cache_budget),
         |scratch, u| ctx.unit(scratch, u.seq, u.kv_head, u.tiles.clone()),
     );
     Ok(())
@@ -454,9 +456,10 @@ mod tests {
         for causal in [Causal::None, Causal::BottomRight, Causal::TopLeft] {
             for window in [None, Some((20, 5))] {
                 let case = gqa_varlen_case(dtype, causal, window);
-                // No cache, room for three key tiles (the rest packed per query tile), plenty.
+                // No cache; room for some of the 7 key tiles (bf16 pairs: 4 of Kᵀ + V; f32: 3 of
+                // Kᵀ, 5 of V; the rest packed per query tile, f32 V read in place); plenty.
                 let none = run_checked::<T>(&case, tiles, 0);
-                let some = run_checked::<T>(&case, tiles, 3 * 4 * (40 + 24) * 16);
+                let some = run_checked::<T>(&case, tiles, 2 * 4 * (40 + 24) * 16);
                 let all = run_checked::<T>(&case, tiles, 1 << 24);
                 assert!(none == some && some == all, "{case}: the cache changed the results");
             }
@@ -560,12 +563,12 @@ mod tests {
     }
 
     #[test]
-    fn cached_key_tiles_give_the_uncached_results_in_f32() {
+    fn cached_key_and_value_tiles_give_the_uncached_results_in_f32() {
         cached_tiles_give_the_uncached_results::<f32>(DType::F32);
     }
 
     #[test]
-    fn cached_key_tiles_give_the_uncached_results_in_f16() {
+    fn cached_key_and_value_tiles_give_the_uncached_results_in_f16() {
         cached_tiles_give_the_uncached_results::<f16>(DType::F16);
     }
 
