@@ -4,14 +4,14 @@
 //! cuda_bench compile [sm_80,sm_90a]        compile every variant, print registers / spills
 //! cuda_bench check [CASES] [SEED]          random cases vs the f64 oracle (numerics contract)
 //! cuda_bench bench [--variants all|hopper] [--dtypes bf16,f16] [--causal both] [--d 64,128] [--reps N]
-//!                  [--pass fwd|bwd] [--deterministic]
+//!                  [--pass fwd|bwd] [--deterministic] [--dropout P] [--softcap C]
 //!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048; `bwd`
 //!                                          times the backward pass alone (FLOPs 2.5 × forward)
 //! cuda_bench sanitize                      a few small forward and backward launches (dropout,
 //!                                          deterministic), for compute-sanitizer
 //! ```
 //! Benchmark lines are JSON in BENCH.md's contract (`device, dtype, b, hq, hk, sq, sk, d, causal,
-//! fwd_ms`) plus `tflops` and `variant`; times are medians of CUDA-event-timed runs after a
+//! fwd_ms`) plus `tflops`, `variant`, `dropout` and `softcap` (null when off); times are medians of CUDA-event-timed runs after a
 //! warm-up, on inputs drawn from a normal distribution.
 
 use flash_attn::check::{compare_gradients, report, BackwardReport, BlockCase, Case, CaseData, Rng, Storage};
@@ -265,6 +265,16 @@ fn bench(args: &[String]) -> Result<()> {
     let all_variants = which == "all" || which == "hopper";
     let bwd = arg(args, "--pass", "fwd") == "bwd";
     let deterministic = args.iter().any(|a| a == "--deterministic");
+    let number = |name: &str| -> Result<Option<f32>> {
+        match args.iter().position(|a| a == name) {
+            None => Ok(None),
+            Some(i) => match args.get(i + 1).and_then(|v| v.parse().ok()) {
+                Some(x) => Ok(Some(x)),
+                None => Err(flash_attn::Error::Unsupported(format!("{name} needs a number"))),
+            },
+        }
+    };
+    let extras = Extras { dropout: number("--dropout")?, softcap: number("--softcap")? };
     for dt in dtypes.split(',') {
         let dtype: DType = dt.parse().map_err(flash_attn::Error::Unsupported)?;
         for &d in &dims {
@@ -293,16 +303,16 @@ fn bench(args: &[String]) -> Result<()> {
                     if bwd {
                         for &variant in &bwd_variants {
                             match dtype {
-                                DType::BF16 => bench_bwd::<bf16>(s, d, causal, variant, reps, deterministic)?,
-                                _ => bench_bwd::<f16>(s, d, causal, variant, reps, deterministic)?,
+                                DType::BF16 => bench_bwd::<bf16>(s, d, causal, variant, reps, deterministic, extras)?,
+                                _ => bench_bwd::<f16>(s, d, causal, variant, reps, deterministic, extras)?,
                             }
                         }
                         continue;
                     }
                     for &variant in &variants {
                         match dtype {
-                            DType::BF16 => bench_one::<bf16>(s, d, causal, variant, reps)?,
-                            _ => bench_one::<f16>(s, d, causal, variant, reps)?,
+                            DType::BF16 => bench_one::<bf16>(s, d, causal, variant, reps, extras)?,
+                            _ => bench_one::<f16>(s, d, causal, variant, reps, extras)?,
                         }
                     }
                 }
@@ -312,12 +322,42 @@ fn bench(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Options of the benchmark that need the extras variants: dropout probability, softcap.
+#[derive(Clone, Copy)]
+struct Extras {
+    dropout: Option<f32>,
+    softcap: Option<f32>,
+}
+
+impl Extras {
+    fn any(self) -> bool {
+        self.dropout.is_some() || self.softcap.is_some()
+    }
+
+    fn apply<'a>(self, mut spec: AttentionSpec<'a>) -> AttentionSpec<'a> {
+        if let Some(p) = self.dropout {
+            spec = spec.dropout(p, 0x5eed, 0);
+        }
+        if let Some(c) = self.softcap {
+            spec = spec.softcap(c);
+        }
+        spec
+    }
+
+    /// `,"dropout":…,"softcap":…` for a JSON line.
+    fn json(self) -> String {
+        let f = |x: Option<f32>| x.map_or("null".to_string(), |x| x.to_string());
+        format!(",\"dropout\":{},\"softcap\":{}", f(self.dropout), f(self.softcap))
+    }
+}
+
 fn bench_one<T: cuda::CudaElement>(
     s: usize,
     d: usize,
     causal: bool,
     variant: Option<Variant>,
     reps: usize,
+    extras: Extras,
 ) -> Result<()> {
     let dev = cuda::default_device()?;
     let (b, hq) = (16384 / s, 2048 / d);
@@ -333,7 +373,7 @@ fn bench_one<T: cuda::CudaElement>(
     let mut out = stream.alloc_zeros::<T>(n).map_err(de)?;
     let mut lse = stream.alloc_zeros::<f32>(b * hq * s).map_err(de)?;
     let shape = [b, s, hq, d];
-    let spec = if causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    let spec = extras.apply(if causal { AttentionSpec::new().causal() } else { AttentionSpec::new() });
     let run = |out: &mut cudarc::driver::CudaSlice<T>, lse: &mut cudarc::driver::CudaSlice<f32>| -> Result<()> {
         let (qt, kt, vt) = (
             DeviceTensor::new(q.as_view(), &shape),
@@ -362,11 +402,13 @@ fn bench_one<T: cuda::CudaElement>(
     times.sort_by(f64::total_cmp);
     let ms = times[times.len() / 2];
     let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
-    let name = variant.or_else(|| Variant::default_on(dev.arch(), T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
+    let default = if extras.any() { Variant::extras_on } else { Variant::default_on };
+    let name = variant.or_else(|| default(dev.arch(), T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
     println!(
-        "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"hk\":{hk},\"sq\":{s},\"sk\":{s},\"d\":{d},\"causal\":{causal},\"fwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"}}",
+        "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"hk\":{hk},\"sq\":{s},\"sk\":{s},\"d\":{d},\"causal\":{causal},\"fwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"{}}}",
         T::DTYPE,
-        flops / ms / 1e9
+        flops / ms / 1e9,
+        extras.json()
     );
     Ok(())
 }
@@ -379,6 +421,7 @@ fn bench_bwd<T: cuda::CudaElement>(
     variant: Option<BwdVariant>,
     reps: usize,
     deterministic: bool,
+    extras: Extras,
 ) -> Result<()> {
     let dev = cuda::default_device()?;
     let (b, hq) = (16384 / s, 2048 / d);
@@ -400,7 +443,7 @@ fn bench_bwd<T: cuda::CudaElement>(
         stream.alloc_zeros::<T>(n).map_err(de)?,
     );
     let shape = [b, s, hq, d];
-    let mut spec = if causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+    let mut spec = extras.apply(if causal { AttentionSpec::new().causal() } else { AttentionSpec::new() });
     if deterministic {
         spec = spec.deterministic();
     }
@@ -445,13 +488,14 @@ fn bench_bwd<T: cuda::CudaElement>(
     let ms = times[times.len() / 2];
     let flops = 2.5 * 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
     let name = variant
-        .or_else(|| BwdVariant::default_on(dev.arch(), T::DTYPE, d, false))
+        .or_else(|| BwdVariant::default_on(dev.arch(), T::DTYPE, d, extras.any()))
         .map(|v| v.name())
         .unwrap_or_default();
     println!(
-        "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"sq\":{s},\"d\":{d},\"causal\":{causal},\"deterministic\":{deterministic},\"bwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"}}",
+        "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"sq\":{s},\"d\":{d},\"causal\":{causal},\"deterministic\":{deterministic},\"bwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"{}}}",
         T::DTYPE,
-        flops / ms / 1e9
+        flops / ms / 1e9,
+        extras.json()
     );
     Ok(())
 }
