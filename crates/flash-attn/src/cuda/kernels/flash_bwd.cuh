@@ -344,24 +344,41 @@ struct FlashBwd {
     }
 
     // Keep bits of this thread's Sᵀ elements for query head stream bh: bit (4·nt + 2·r + c) is
-    // key row g + 8r, query column 8·nt + 2t + c. One Philox call per element's four-key group.
+    // key row g + 8r, query column 8·nt + 2t + c. The four lanes g = 4a .. 4a+3 (same t) hold the
+    // four keys of one four-key group (k0 is a multiple of 16) in rows r = 0, 1 and columns
+    // c = 0, 1: four Philox calls with the same counters, each lane using one word of each. So lane
+    // m = g & 3 draws only (r, c) = (m >> 1, m & 1), sets the keep bit of word w at bit 4·nt + m
+    // of what it owes lane w, and the four lanes swap those words in three shuffles per 32 bits:
+    // one call per four elements. Every lane of the warp must call it.
     static __device__ __forceinline__ void keep_bits(u32 (&bits)[(NT + 7) / 8], const DropoutParams& dp, u32 bh,
                                                      int q0, int k0, int lane) {
-        const int g = lane >> 2, t = lane & 3;
+        constexpr int NW = (NT + 7) / 8;
+        const int g = lane >> 2, t = lane & 3, m = g & 3;
+        const u32 j = (u32)(k0 + (g & ~3) + 8 * (m >> 1));  // the group of rows 4a .. 4a+3 (+ 8r)
+        u32 owe[4][NW];
 #pragma unroll
-        for (int w = 0; w < (NT + 7) / 8; ++w) bits[w] = 0u;
+        for (int w = 0; w < 4; ++w)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+            for (int k = 0; k < NW; ++k) owe[w][k] = 0u;
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
+        for (int nt = 0; nt < NT; ++nt) {
+            Philox4 w = dropout_words(dp, bh, (u32)(q0 + 8 * nt + 2 * t + (m & 1)), j);
+            const int pos = (4 * nt) % 32 + m;
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    u32 j = (u32)(k0 + g + 8 * r), i = (u32)(q0 + 8 * nt + 2 * t + c);
-                    Philox4 w = dropout_words(dp, bh, i, j);
-                    u32 u = (j & 3) == 0 ? w.x[0] : (j & 3) == 1 ? w.x[1] : (j & 3) == 2 ? w.x[2] : w.x[3];
-                    int bit = 4 * nt + 2 * r + c;
-                    if (u >= dp.threshold) bits[bit / 32] |= 1u << (bit % 32);
-                }
+            for (int x = 0; x < 4; ++x) owe[x][(4 * nt) / 32] |= (u32)(w.x[x] >= dp.threshold) << pos;
+        }
+        // Lane m takes owe[m] of every lane of its group: lane m ^ x sends its owe[(m ^ x) ^ x].
+#pragma unroll
+        for (int k = 0; k < NW; ++k) {
+            u32 acc = m == 0 ? owe[0][k] : m == 1 ? owe[1][k] : m == 2 ? owe[2][k] : owe[3][k];
+#pragma unroll
+            for (int x = 1; x < 4; ++x) {
+                const int to = m ^ x;
+                const u32 send = to == 0 ? owe[0][k] : to == 1 ? owe[1][k] : to == 2 ? owe[2][k] : owe[3][k];
+                acc |= __shfl_xor_sync(0xffffffffu, send, 4 * x);
+            }
+            bits[k] = acc;
+        }
     }
 
     static __device__ __forceinline__ bool kept(const u32 (&bits)[(NT + 7) / 8], int nt, int r, int c) {
