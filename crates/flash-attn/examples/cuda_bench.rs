@@ -11,8 +11,8 @@
 //!                                          deterministic), for compute-sanitizer
 //! ```
 //! Benchmark lines are JSON in BENCH.md's contract (`device, dtype, b, hq, hk, sq, sk, d, causal,
-//! fwd_ms`) plus `tflops`, `variant`, `dropout` and `softcap` (null when off); times are medians of CUDA-event-timed runs after a
-//! warm-up, on inputs drawn from a normal distribution.
+//! fwd_ms`) plus `tflops`, `variant`, `dropout` and `softcap` (null when off); times are medians
+//! of CUDA-event-timed runs after a warm-up, on inputs drawn from a normal distribution.
 
 use flash_attn::check::{compare_gradients, report, BackwardReport, BlockCase, Case, CaseData, Rng, Storage};
 use flash_attn::cuda::{self, Arch, BwdVariant, DeviceTensor, DeviceTensorMut, Variant};
