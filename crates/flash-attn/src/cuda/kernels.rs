@@ -254,6 +254,13 @@ impl BwdVariant {
         self.warps * 32
     }
 
+    /// Whether the kernel leaves each item's dQ product in flight under the next item (the
+    /// two-warpgroup Hopper kernel; `DEFER_DQ` in `flash_bwd.cuh`, which must agree), with dSᵀ
+    /// double-buffered.
+    fn defers_dq(&self) -> bool {
+        self.wgmma && self.warps == 8
+    }
+
     /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO, dSᵀ (two buffers in
     /// the two-warpgroup Hopper kernel, whose dQ product runs under the next item's start), and
     /// two buffers each of a tile's lse and D.
@@ -261,7 +268,7 @@ impl BwdVariant {
     pub fn smem_bytes(&self) -> usize {
         let bc = self.block_keys();
         let align = if self.wgmma { 1024 } else { 0 };
-        let ds_buffers = if self.wgmma && self.warps == 8 { 2 } else { 1 };
+        let ds_buffers = if self.defers_dq() { 2 } else { 1 };
         2 * bc * self.d * 2 + 4 * self.br * self.d * 2 + ds_buffers * bc * self.br * 2 + 4 * self.br * 4 + align
     }
 

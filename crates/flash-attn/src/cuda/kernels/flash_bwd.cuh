@@ -215,7 +215,7 @@ struct FlashBwd {
     // item waits for it (and adds it to dQaccum) after issuing its own Sᵀ. dSᵀ is then
     // double-buffered. (One warpgroup a block runs two blocks per multiprocessor, whose shared
     // memory leaves no room for the second buffer.)
-    static constexpr bool DEFER_DQ = FA_WGMMA != 0 && WARPS == 8;
+    static constexpr bool DEFER_DQ = FA_WGMMA != 0 && WARPS == 8;  // = BwdVariant::defers_dq (kernels.rs)
     // K, V | Q[2], dO[2] | dSᵀ (two with DEFER_DQ) | lse[2], D[2]
     static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + (DEFER_DQ ? 2 : 1) * DS_BYTES + 4 * ROW_BYTES;
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
@@ -386,14 +386,16 @@ struct FlashBwd {
         return (bits[bit / 32] >> (bit % 32)) & 1u;
     }
 
-    // Adds the dQ of query tile m of head h (batch entry b) to dQaccum from its row acc_tok (rows
-    // are flattened tokens: b·sq + i for fixed length, the packed index for varlen) by
-    // `add(acc, acc_row, rows_valid)`: in deterministic mode in key-tile order, after waiting
-    // for this key tile's turn on (b, h, m). Every thread of the block calls it.
+    // Adds the dQ of query tile m of head h (batch entry b, whose sequence starts at token
+    // q_start in varlen) to dQaccum by `add(acc, acc_row, rows_valid)`: in deterministic mode in
+    // key-tile order, after waiting for this key tile's turn on (b, h, m). Every thread of the
+    // block calls it.
     template <class Add>
     static __device__ __forceinline__ void add_dq_in_order(const BwdParams& p, const Visibility& vis, int b, int h,
-                                                           int m, long long acc_tok, int n_block, int tid, Add add) {
+                                                           int m, int q_start, int n_block, int tid, Add add) {
         const int row0 = m * BR, rows_valid = min(BR, vis.sq - row0);
+        // dQaccum rows are flattened tokens: b·sq + i (fixed length) or the packed index (varlen).
+        const long long acc_tok = p.cu_seqlens_q ? (long long)q_start + row0 : (long long)b * p.sq + row0;
         float* acc = p.dq_accum + (acc_tok * p.hq + h) * D;
         if (p.deterministic) {
             int lo, hi;
@@ -464,10 +466,8 @@ struct FlashBwd {
                                                     const Visibility& vis, int n_block, int tid, int warp, int lane) {
         const int m = ld_shared_s32(info + 24);
         if (m < 0) return;
-        const int h = ld_shared_s32(info + 20), b = ld_shared_s32(info);
-        const long long acc_tok =
-            p.cu_seqlens_q ? (long long)ld_shared_s32(info + 4) + m * BR : (long long)b * p.sq + m * BR;
-        add_dq_in_order(p, vis, b, h, m, acc_tok, n_block, tid, [&](float* acc, long long acc_row, int rows_valid) {
+        const int h = ld_shared_s32(info + 20), b = ld_shared_s32(info), q_start = ld_shared_s32(info + 4);
+        add_dq_in_order(p, vis, b, h, m, q_start, n_block, tid, [&](float* acc, long long acc_row, int rows_valid) {
             add_dq(dq, acc, acc_row, rows_valid, p.d, warp, lane);
         });
     }
@@ -969,8 +969,7 @@ struct FlashBwd {
                 }
 #endif
             } else {
-                const long long acc_tok = p.cu_seqlens_q ? (long long)q_start + row0 : (long long)b * p.sq + row0;
-                add_dq_in_order(p, vis, b, h, m, acc_tok, n_block, tid,
+                add_dq_in_order(p, vis, b, h, m, q_start, n_block, tid,
                                 [&](float* acc, long long acc_row, int rows_valid) {
                                     accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
                                 });
