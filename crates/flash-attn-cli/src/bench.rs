@@ -322,6 +322,7 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
         return Err(CliError::new("the memory table (`--memory`) runs on cpu only"));
     }
     let gpu_name = args.device.ensure_available()?;
+    let isa = if cuda { None } else { Some(flash_attn::cpu::Isa::default_for_process()?) };
     if !cuda {
         warm_up()?;
     }
@@ -373,10 +374,11 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
         print_table(&["b×hq×s×d", "causal", "time ms", "TFLOP/s", "runs"], &rows);
     } else if !args.json {
         println!(
-            "{}, {} {}, {} threads available; time = median of >= {MIN_RUNS} runs after a warm-up",
+            "{}, {} {}, {} path, {} threads available; time = median of >= {MIN_RUNS} runs after a warm-up",
             if args.backward { "forward and forward+backward" } else { "forward" },
             args.device.name(),
             args.dtype,
+            isa.map_or("cuda", |isa| isa.name()),
             std::thread::available_parallelism().map_or(1, |n| n.get())
         );
         if args.backward {

@@ -51,6 +51,10 @@ const DROPOUT_STREAM: u64 = 0x0D60_9047_D60F_F5E7;
 pub fn main(args: &CheckArgs) -> Result<ExitCode> {
     let gpu_name = args.device.ensure_available()?;
     let cuda = args.device == Device::Cuda;
+    if !cuda {
+        // A bad FLASH_ATTN_CPU_ISA fails every case alike: say so once, as a usage error.
+        flash_attn::cpu::Isa::default_for_process()?;
+    }
     if let Some(name) = gpu_name {
         println!(
             "cuda: {name}; cases restricted to what the CUDA backend supports \

@@ -1118,3 +1118,28 @@ fn kernels_compile_all_reports_every_variant_or_a_missing_nvrtc() {
     assert!(variants > 0 && stdout.contains(" variants: "), "{stdout}");
     assert!(matches!(res.status.code(), Some(0 | 1)), "{stdout}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// FLASH_ATTN_CPU_ISA: a cap on the CPU path, never a request for one the CPU lacks
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn an_unknown_or_missing_cpu_isa_is_a_one_line_error() {
+    // `neon` on x86-64 and `avx2` on aarch64 name a path this CPU cannot have.
+    let missing = if cfg!(target_arch = "x86_64") { "neon" } else { "avx2" };
+    for value in ["sse9", missing] {
+        let args = ["check", "--cases", "2"];
+        let res = Command::new(BIN).args(args).env("FLASH_ATTN_CPU_ISA", value).output().expect("run flash-attn");
+        let line = assert_error_output(&args, &res);
+        assert!(line.contains("FLASH_ATTN_CPU_ISA"), "{value}: {line}");
+    }
+}
+
+#[test]
+fn the_portable_cap_passes_check() {
+    let res =
+        Command::new(BIN).args(["check", "--cases", "20"]).env("FLASH_ATTN_CPU_ISA", "portable").output().expect("run");
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{stdout} {}", String::from_utf8_lossy(&res.stderr));
+    assert!(stdout.contains("20 passed, 0 failed"), "{stdout}");
+}

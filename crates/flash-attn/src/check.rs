@@ -140,6 +140,9 @@ pub struct Case {
     pub storage: Storage,
     /// Seed of the data.
     pub seed: u64,
+    /// The CPU instruction-set path to run on (`None`: the process default); see
+    /// [`AttentionSpec::cpu_isa`].
+    pub isa: Option<crate::cpu::Isa>,
 }
 
 impl fmt::Display for Case {
@@ -161,6 +164,9 @@ impl fmt::Display for Case {
         }
         if let Some(c) = self.softcap {
             write!(f, " softcap={c}")?;
+        }
+        if let Some(isa) = self.isa {
+            write!(f, " isa={isa}")?;
         }
         if let Some(s) = self.scale {
             write!(f, " scale={s}")?;
@@ -354,7 +360,24 @@ impl Case {
         });
         let storage = if rng.chance(0.2) { Storage::Strided { pad: rng.range(0, 3) } } else { Storage::Contiguous };
         let seed = rng.next_u64();
-        Case { dtype, hq, hk, d, dv, seqlens, varlen, causal, window, softcap, scale, alibi, block, storage, seed }
+        Case {
+            dtype,
+            hq,
+            hk,
+            d,
+            dv,
+            seqlens,
+            varlen,
+            causal,
+            window,
+            softcap,
+            scale,
+            alibi,
+            block,
+            storage,
+            seed,
+            isa: None,
+        }
     }
 
     /// Number of sequences.
@@ -443,6 +466,9 @@ impl Case {
         }
         if let Some((cq, ck)) = &data.cu_seqlens {
             spec = spec.varlen(cq, ck);
+        }
+        if let Some(isa) = self.isa {
+            spec = spec.cpu_isa(isa);
         }
         spec
     }

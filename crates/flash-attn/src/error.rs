@@ -164,6 +164,11 @@ pub enum Error {
     #[error("unsupported: {0}")]
     Unsupported(String),
 
+    /// The CPU instruction-set path asked for (by `FLASH_ATTN_CPU_ISA` or
+    /// [`AttentionSpec::cpu_isa`](crate::AttentionSpec::cpu_isa)) is unknown, or this CPU lacks it.
+    #[error("CPU instruction set: {0}")]
+    CpuIsa(String),
+
     /// The CUDA driver library or a usable GPU is missing (CUDA backend).
     #[error("CUDA is not available: {0}")]
     CudaUnavailable(String),

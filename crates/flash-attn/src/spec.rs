@@ -1,6 +1,7 @@
 //! What attention to compute: [`AttentionSpec`], and its validation against `q`, `k`, `v` into a
 //! [`Geometry`] every backend and the oracle share (DESIGN §2).
 
+use crate::cpu::Isa;
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, TensorMut};
 
@@ -64,6 +65,7 @@ pub struct AttentionSpec<'a> {
     pub(crate) varlen: Option<(&'a [i32], &'a [i32])>,
     pub(crate) dropout: Option<Dropout>,
     pub(crate) deterministic: bool,
+    pub(crate) cpu_isa: Option<Isa>,
 }
 
 impl<'a> AttentionSpec<'a> {
@@ -152,6 +154,16 @@ impl<'a> AttentionSpec<'a> {
     #[must_use]
     pub fn deterministic(mut self) -> Self {
         self.deterministic = true;
+        self
+    }
+
+    /// Runs the CPU backend on the instruction-set path `isa` instead of the process default (the
+    /// best path the CPU has, capped by `FLASH_ATTN_CPU_ISA`): for tests and comparisons. A path
+    /// the CPU lacks, or one above the cap, makes the call fail with [`Error::CpuIsa`]. Results
+    /// meet the numerics contract on every path; bits may differ between paths.
+    #[must_use]
+    pub fn cpu_isa(mut self, isa: Isa) -> Self {
+        self.cpu_isa = Some(isa);
         self
     }
 
@@ -291,6 +303,8 @@ pub struct Geometry<'a> {
     pub(crate) v: RowLayout,
     pub(crate) alibi: Option<AlibiRef<'a>>,
     pub(crate) block: Option<BlockMaskRef<'a>>,
+    /// The CPU path the spec asked for, if any ([`AttentionSpec::cpu_isa`]).
+    pub(crate) cpu_isa: Option<Isa>,
 }
 
 fn shape_err(msg: String) -> Error {
@@ -450,6 +464,7 @@ impl<'a> Geometry<'a> {
             v: RowLayout::from_strides(v.strides(), varlen),
             alibi,
             block,
+            cpu_isa: spec.cpu_isa,
         })
     }
 

@@ -1,23 +1,9 @@
 //! The CPU backward pass against the f64 oracle's backward, and its determinism.
 
-use flash_attn::check::{Case, Rng};
-use flash_attn::{reference, AttentionSpec, Dropout, Tensor};
+mod common;
 
-#[test]
-fn random_cases_meet_the_contract_for_every_gradient() {
-    let mut rng = Rng::new(77);
-    let mut failed = 0;
-    for n in 0..150 {
-        let case = Case::random(&mut rng);
-        let dropout = (n % 3 == 0).then(|| Dropout { p: rng.pick(&[0.1, 0.3, 0.5]), seed: rng.next_u64(), offset: n });
-        let rep = case.run_cpu_backward(dropout).unwrap();
-        if !rep.passed() {
-            failed += 1;
-            eprintln!("case {n}: {case} dropout={dropout:?}: {rep}");
-        }
-    }
-    assert_eq!(failed, 0);
-}
+use flash_attn::check::{Case, Rng};
+use flash_attn::{reference, AttentionSpec, DType, Dropout, Element, Tensor};
 
 /// `Σ out ∘ dout` of the f64 oracle: the scalar whose gradient the backward pass computes.
 fn loss(case: &Case, q: &[f32], k: &[f32], v: &[f32], dout: &[f32], dropout: Option<Dropout>) -> f64 {
@@ -85,31 +71,62 @@ fn oracle_backward_matches_central_finite_differences() {
 }
 
 #[test]
+fn backward_with_a_different_dropout_than_the_forward_is_an_error() {
+    let x = [0.5f32; 16];
+    let t = Tensor::new(&x, &[1, 2, 2, 4]);
+    let spec = AttentionSpec::new().dropout(0.1, 1, 0);
+    let saved = flash_attn::forward_train(&spec, &t, &t, &t).unwrap();
+    let other = AttentionSpec::new().dropout(0.1, 2, 0);
+    assert!(matches!(saved.backward(&other, &t, &t, &t, &t), Err(flash_attn::Error::Mismatch(_))));
+}
+
+// The backend's gradients, once per instruction-set path (`portable::…`, `avx2::…`, …).
+for_each_isa! {
+#[test]
+fn random_cases_meet_the_contract_for_every_gradient() {
+    let mut rng = Rng::new(77);
+    let mut failed = 0;
+    for n in 0..150 {
+        let Some(case) = common::on_isa(ISA, Case::random(&mut rng)) else { return };
+        let dropout = (n % 3 == 0).then(|| Dropout { p: rng.pick(&[0.1, 0.3, 0.5]), seed: rng.next_u64(), offset: n });
+        let rep = case.run_cpu_backward(dropout).unwrap();
+        if !rep.passed() {
+            failed += 1;
+            eprintln!("case {n}: {case} dropout={dropout:?}: {rep}");
+        }
+    }
+    assert_eq!(failed, 0);
+}
+
+/// Gradient bits of `case` (its dtype) with dropout `(0.2, 99, n)` on `threads` threads.
+fn gradient_bits<T: Element>(case: &Case, n: u32, threads: usize) -> [Vec<u32>; 3] {
+    let data = case.data::<T>();
+    let spec = case.spec(&data).dropout(0.2, 99, n);
+    let [q, k, v] = data.views();
+    let (dout, dshape) = case.dout(&data).unwrap();
+    let dout = Tensor::new(&dout, &dshape);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let g = pool.install(|| {
+        let saved = flash_attn::forward_train(&spec, &q, &k, &v).unwrap();
+        saved.backward(&spec, &q, &k, &v, &dout).unwrap()
+    });
+    [&g.dq, &g.dk, &g.dv].map(|x| x.iter().map(|v| v.to_f32().to_bits()).collect())
+}
+
+#[test]
 fn gradients_are_bitwise_identical_across_thread_counts_and_runs() {
     let mut rng = Rng::new(5);
     for n in 0..12 {
         let mut case = Case::random(&mut rng);
-        case.dtype = flash_attn::DType::F32;
-        let data = case.data::<f32>();
-        let spec = case.spec(&data).dropout(0.2, 99, n);
-        let [q, k, v] = data.views();
-        let (dout, dshape) = case.dout(&data).unwrap();
-        let dout = Tensor::new(&dout, &dshape);
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            pool.install(|| {
-                let saved = flash_attn::forward_train(&spec, &q, &k, &v).unwrap();
-                saved.backward(&spec, &q, &k, &v, &dout).unwrap()
-            })
-        };
-        let one = run(1);
-        let bits = |g: &flash_attn::Gradients<f32>| {
-            [&g.dq, &g.dk, &g.dv].map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
-        };
+        // f32 mostly; bf16 (pair products on AVX-512 BF16) and f16 too.
+        case.dtype = [DType::F32, DType::BF16, DType::F32, DType::F16][n as usize % 4];
+        let Some(case) = common::on_isa(ISA, case) else { return };
+        let bits = |threads| with_dtype!(case.dtype, T => gradient_bits::<T>(&case, n, threads));
+        let one = bits(1);
         for threads in [2, 3, 4] {
-            assert_eq!(bits(&one), bits(&run(threads)), "case {n}: {case} with {threads} threads");
+            assert!(one == bits(threads), "case {n}: {case} with {threads} threads");
         }
-        assert_eq!(bits(&one), bits(&run(1)), "case {n}: {case}, second run");
+        assert!(one == bits(1), "case {n}: {case}, second run");
     }
 }
 
@@ -125,6 +142,7 @@ fn gqa_gradients_equal_the_sum_over_expanded_heads() {
     case.hk = 2;
     case.alibi = None;
     case.block = None;
+    let Some(case) = common::on_isa(ISA, case) else { return };
     let data = case.data::<f32>();
     let spec = case.spec(&data);
     let [q, k, v] = data.views();
@@ -169,7 +187,10 @@ fn fully_masked_rows_get_zero_gradient_and_no_nan() {
     let mut rng = Rng::new(3);
     let mut normal = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<_>>();
     let (q, k, v, dout) = (normal(sq * h * d), normal(sk * h * d), normal(sk * h * d), normal(sq * h * d));
-    let spec = AttentionSpec::new().causal();
+    if common::on_isa(ISA, common::plain(DType::F32, 1, (1, 1), (1, 1), 1)).is_none() {
+        return;
+    }
+    let spec = AttentionSpec::new().causal().cpu_isa(ISA);
     let (qt, kt, vt) =
         (Tensor::new(&q, &[1, sq, h, d]), Tensor::new(&k, &[1, sk, h, d]), Tensor::new(&v, &[1, sk, h, d]));
     let saved = flash_attn::forward_train(&spec, &qt, &kt, &vt).unwrap();
@@ -179,13 +200,4 @@ fn fully_masked_rows_get_zero_gradient_and_no_nan() {
         assert!(g.dq[i * h * d..(i + 1) * h * d].iter().all(|&x| x == 0.0), "row {i}");
     }
 }
-
-#[test]
-fn backward_with_a_different_dropout_than_the_forward_is_an_error() {
-    let x = [0.5f32; 16];
-    let t = Tensor::new(&x, &[1, 2, 2, 4]);
-    let spec = AttentionSpec::new().dropout(0.1, 1, 0);
-    let saved = flash_attn::forward_train(&spec, &t, &t, &t).unwrap();
-    let other = AttentionSpec::new().dropout(0.1, 2, 0);
-    assert!(matches!(saved.backward(&other, &t, &t, &t, &t), Err(flash_attn::Error::Mismatch(_))));
 }

@@ -13,11 +13,13 @@ mod common;
 
 use common::{config, explicit_tiles};
 use flash_attn::check::{Case, CaseReport};
-use flash_attn::cpu::Tiles;
+use flash_attn::cpu::{Isa, Tiles};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
-fn meets_contract(case: &Case, tiles: Option<Tiles>) -> Result<(), TestCaseError> {
+fn meets_contract(isa: Isa, case: &Case, tiles: Option<Tiles>) -> Result<(), TestCaseError> {
+    let Some(case) = common::on_isa(isa, case.clone()) else { return Ok(()) };
+    let case = &case;
     let report: CaseReport = match case.run_cpu_tiled(tiles) {
         Ok(r) => r,
         Err(e) => return Err(TestCaseError::fail(format!("{case}: valid case rejected: {e}"))),
@@ -26,17 +28,27 @@ fn meets_contract(case: &Case, tiles: Option<Tiles>) -> Result<(), TestCaseError
     Ok(())
 }
 
+/// `Case` itself must describe every valid problem, an empty fixed-length batch included.
+#[test]
+fn an_empty_fixed_length_batch_meets_the_contract() {
+    let case = Case { seqlens: vec![], ..common::plain(flash_attn::DType::F32, 1, (3, 4), (2, 1), 8) };
+    let report = case.run_cpu().expect("an empty batch is valid");
+    assert!(report.passed(), "{report}");
+}
+
+// The properties, once per instruction-set path (`portable::…`, `avx2::…`, `avx512::…`, `neon::…`).
+for_each_isa! {
 proptest! {
     #![proptest_config(config(256))]
 
     #[test]
     fn random_problems_meet_the_contract_with_the_backend_tiles(case in common::cases()) {
-        meets_contract(&case, None)?;
+        meets_contract(ISA, &case, None)?;
     }
 
     #[test]
     fn random_problems_meet_the_contract_with_explicit_tiles(case in common::cases(), tiles in explicit_tiles()) {
-        meets_contract(&case, Some(tiles))?;
+        meets_contract(ISA, &case, Some(tiles))?;
     }
 }
 
@@ -49,7 +61,7 @@ proptest! {
         case in common::cases_with(24, common::large_head_dims(), (1usize..=2).prop_map(|hk| (2 * hk, hk))),
         tiles in prop::option::of(explicit_tiles()),
     ) {
-        meets_contract(&case, tiles)?;
+        meets_contract(ISA, &case, tiles)?;
     }
 
     /// Packed batches where sequences are often empty on one side or both.
@@ -63,7 +75,7 @@ proptest! {
         tiles in prop::option::of(explicit_tiles()),
     ) {
         let case = Case { seqlens, varlen: true, ..case };
-        meets_contract(&case, tiles)?;
+        meets_contract(ISA, &case, tiles)?;
     }
 
     /// Block-sparse masks of every block size, shared or per head, empty to dense.
@@ -74,7 +86,7 @@ proptest! {
         tiles in prop::option::of(explicit_tiles()),
     ) {
         let case = Case { block: Some(block), ..case };
-        meets_contract(&case, tiles)?;
+        meets_contract(ISA, &case, tiles)?;
     }
 
     /// Decoding (one query against a long cache) and its mirror image (one key).
@@ -88,14 +100,7 @@ proptest! {
         let lens = if single_query { (1, long) } else { (long, 1) };
         let seqlens = vec![lens; case.seqlens.len()];
         let case = Case { seqlens, ..case };
-        meets_contract(&case, tiles)?;
+        meets_contract(ISA, &case, tiles)?;
     }
 }
-
-/// `Case` itself must describe every valid problem, an empty fixed-length batch included.
-#[test]
-fn an_empty_fixed_length_batch_meets_the_contract() {
-    let case = Case { seqlens: vec![], ..common::plain(flash_attn::DType::F32, 1, (3, 4), (2, 1), 8) };
-    let report = case.run_cpu().expect("an empty batch is valid");
-    assert!(report.passed(), "{report}");
 }

@@ -719,3 +719,20 @@ proptest! {
         let _ = flash_attn::forward_into(&spec, &q, &k, &v, &mut TensorMut::with_strides(&mut out, &c.out.0, &c.out.1), &mut lse);
     }
 }
+
+#[test]
+fn a_cpu_path_this_machine_lacks_is_a_typed_error() {
+    let available = flash_attn::cpu::Isa::available();
+    // On every machine some path is missing: x86-64 has no NEON, aarch64 no AVX.
+    let missing = flash_attn::cpu::Isa::ALL.into_iter().find(|isa| !available.contains(isa)).expect("a missing path");
+    let err = spec_err(&AttentionSpec::new().cpu_isa(missing));
+    assert!(matches!(err, Error::CpuIsa(_)), "{err:?}");
+    assert!(err.to_string().contains(missing.name()), "{err}");
+    // The paths that are there all run.
+    for isa in available {
+        let (q, k, v) = (buf(Q.iter().product()), buf(K.iter().product()), buf(V.iter().product()));
+        let spec = AttentionSpec::new().cpu_isa(isa);
+        let res = flash_attn::forward(&spec, &Tensor::new(&q, &Q), &Tensor::new(&k, &K), &Tensor::new(&v, &V));
+        assert!(res.is_ok(), "{isa}: {res:?}");
+    }
+}

@@ -125,20 +125,6 @@ fn gqa_cases() -> impl Strategy<Value = Case> {
     common::cases_with(64, common::head_dims(40), grouped_heads())
 }
 
-proptest! {
-    #![proptest_config(config(64))]
-
-    #[test]
-    fn grouped_query_heads_equal_mha_with_repeated_kv_heads(case in gqa_cases(), tiles in prop::option::of(explicit_tiles())) {
-        with_dtype!(case.dtype, T => gqa_equals_expanded_mha::<T>(&case, tiles))?;
-    }
-
-    #[test]
-    fn each_query_head_equals_a_one_head_problem_on_its_kv_head(case in gqa_cases(), tiles in prop::option::of(explicit_tiles())) {
-        with_dtype!(case.dtype, T => gqa_equals_one_head_at_a_time::<T>(&case, tiles))?;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Memory layout
 // ---------------------------------------------------------------------------------------------
@@ -204,22 +190,6 @@ fn broadcast_inputs_equal_copies<T: Element>(case: &Case) -> Result<(), TestCase
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(config(48))]
-
-    #[test]
-    fn forward_into_a_strided_out_equals_forward(case in common::cases_with(64, common::head_dims(40), common::heads()), pad in 0usize..=3) {
-        with_dtype!(case.dtype, T => strided_out_equals_contiguous_out::<T>(&case, pad))?;
-    }
-
-    #[test]
-    fn zero_stride_broadcast_inputs_equal_their_copies(case in common::cases_with(48, common::head_dims(24), common::heads())) {
-        let case = Case { varlen: false, seqlens: vec![case.seqlens[0]; case.seqlens.len()], storage: flash_attn::check::Storage::Contiguous, ..case };
-        prop_assume!(case.seqlens[0].0 > 0 && case.seqlens[0].1 > 0);
-        with_dtype!(case.dtype, T => broadcast_inputs_equal_copies::<T>(&case))?;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Scheduling
 // ---------------------------------------------------------------------------------------------
@@ -255,6 +225,70 @@ fn run_with_threads(case: &Case, threads: usize) -> Run {
     in_pool(threads, || common::run_case(case, None))
 }
 
+// ---------------------------------------------------------------------------------------------
+// The properties, once per instruction-set path (`portable::…`, `avx2::…`, `avx512::…`, `neon::…`)
+// ---------------------------------------------------------------------------------------------
+
+for_each_isa! {
+proptest! {
+    #![proptest_config(config(64))]
+
+    #[test]
+    fn grouped_query_heads_equal_mha_with_repeated_kv_heads(case in gqa_cases(), tiles in prop::option::of(explicit_tiles())) {
+        let Some(case) = common::on_isa(ISA, case) else { return Ok(()) };
+        with_dtype!(case.dtype, T => gqa_equals_expanded_mha::<T>(&case, tiles))?;
+    }
+
+    #[test]
+    fn each_query_head_equals_a_one_head_problem_on_its_kv_head(case in gqa_cases(), tiles in prop::option::of(explicit_tiles())) {
+        let Some(case) = common::on_isa(ISA, case) else { return Ok(()) };
+        with_dtype!(case.dtype, T => gqa_equals_one_head_at_a_time::<T>(&case, tiles))?;
+    }
+}
+
+proptest! {
+    #![proptest_config(config(48))]
+
+    #[test]
+    fn forward_into_a_strided_out_equals_forward(case in common::cases_with(64, common::head_dims(40), common::heads()), pad in 0usize..=3) {
+        let Some(case) = common::on_isa(ISA, case) else { return Ok(()) };
+        with_dtype!(case.dtype, T => strided_out_equals_contiguous_out::<T>(&case, pad))?;
+    }
+
+    #[test]
+    fn zero_stride_broadcast_inputs_equal_their_copies(case in common::cases_with(48, common::head_dims(24), common::heads())) {
+        let case = Case { varlen: false, seqlens: vec![case.seqlens[0]; case.seqlens.len()], storage: flash_attn::check::Storage::Contiguous, ..case };
+        let Some(case) = common::on_isa(ISA, case) else { return Ok(()) };
+        prop_assume!(case.seqlens[0].0 > 0 && case.seqlens[0].1 > 0);
+        with_dtype!(case.dtype, T => broadcast_inputs_equal_copies::<T>(&case))?;
+    }
+}
+
+proptest! {
+    #![proptest_config(config(48))]
+
+    /// The backend picks its query tile from the thread count; the bits must not move.
+    #[test]
+    fn results_are_bitwise_identical_across_thread_counts(case in prop_oneof![scheduling_cases(), thread_sensitive_cases()]) {
+        let Some(case) = common::on_isa(ISA, case) else { return Ok(()) };
+        let one = run_with_threads(&case, 1);
+        for threads in [2, 3] {
+            prop_assert!(bits_eq(&one, &run_with_threads(&case, threads)), "{} with {} threads", case, threads);
+        }
+    }
+
+    #[test]
+    fn query_tile_size_does_not_change_results(
+        case in scheduling_cases(),
+        bc in prop_oneof![1usize..=8, 9usize..=40],
+        br in prop::collection::vec(1usize..=70, 2),
+    ) {
+        let Some(case) = common::on_isa(ISA, case) else { return Ok(()) };
+        let runs: Vec<Run> = br.iter().map(|&br| common::run_case(&case, Some(Tiles { br, bc }))).collect();
+        prop_assert!(bits_eq(&runs[0], &runs[1]), "{} bc={} br={:?}", case, bc, br);
+    }
+}
+
 #[test]
 fn nan_inputs_give_the_same_results_on_any_thread_count() {
     // One (sequence, head) pair: the backend's query tile is 32 rows on one thread, 16 on two.
@@ -262,6 +296,7 @@ fn nan_inputs_give_the_same_results_on_any_thread_count() {
         causal: flash_attn::Causal::BottomRight,
         ..common::plain(flash_attn::DType::F32, 1, (100, 100), (1, 1), 16)
     };
+    let Some(case) = common::on_isa(ISA, case) else { return };
     let mut data = case.data::<f32>();
     data.v[50 * 16 + 3] = f32::NAN; // key 50: seen by rows 50.. only
     data.k[80 * 16 + 5] = f32::NAN; // key 80: seen by rows 80.. only
@@ -281,26 +316,4 @@ fn nan_inputs_give_the_same_results_on_any_thread_count() {
         assert!(same, "{threads} threads");
     }
 }
-
-proptest! {
-    #![proptest_config(config(48))]
-
-    /// The backend picks its query tile from the thread count; the bits must not move.
-    #[test]
-    fn results_are_bitwise_identical_across_thread_counts(case in prop_oneof![scheduling_cases(), thread_sensitive_cases()]) {
-        let one = run_with_threads(&case, 1);
-        for threads in [2, 3] {
-            prop_assert!(bits_eq(&one, &run_with_threads(&case, threads)), "{} with {} threads", case, threads);
-        }
-    }
-
-    #[test]
-    fn query_tile_size_does_not_change_results(
-        case in scheduling_cases(),
-        bc in prop_oneof![1usize..=8, 9usize..=40],
-        br in prop::collection::vec(1usize..=70, 2),
-    ) {
-        let runs: Vec<Run> = br.iter().map(|&br| common::run_case(&case, Some(Tiles { br, bc }))).collect();
-        prop_assert!(bits_eq(&runs[0], &runs[1]), "{} bc={} br={:?}", case, bc, br);
-    }
 }

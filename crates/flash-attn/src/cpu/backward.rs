@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use super::blocking::Tiles;
 use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair};
+use super::isa::Isa;
 use super::pairs::{ds_to_pairs, narrow_row_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::tile::{load_rows, rows_f32, score_tile, QkOperands, ScoreMod};
 use super::transpose::transpose;
@@ -177,6 +178,8 @@ pub(super) struct Context<'a, T> {
     /// `Some` when the inputs are `bf16` and the CPU multiplies `bf16` pairs: the five products
     /// then run on `bf16` operands, `P` and `dS` rounded to `bf16` (as FlashAttention-2 does).
     pub bf16: Option<Bf16Inputs<'a>>,
+    /// The instruction-set path every kernel of the call runs on (resolved once, at the top).
+    pub isa: Isa,
 }
 
 /// The raw bits of `bf16` inputs, for the products on `bf16` pairs.
@@ -212,14 +215,14 @@ impl<T: Element> Context<'_, T> {
             let nc = cols.len();
             if let (Some(bits), Some(pt)) = (self.bf16, sc.pairs.as_mut()) {
                 let (k_start, c) = (seq.k_start, cols.clone());
-                pack_rows_transposed(&mut pt.kt, bc, bits.k, g.k, seq, k_start, c.clone(), kv_head, d);
-                pack_rows_transposed(&mut pt.vt, bc, bits.v, g.v, seq, k_start, c.clone(), kv_head, dv);
+                pack_rows_transposed(self.isa, &mut pt.kt, bc, bits.k, g.k, seq, k_start, c.clone(), kv_head, d);
+                pack_rows_transposed(self.isa, &mut pt.vt, bc, bits.v, g.v, seq, k_start, c.clone(), kv_head, dv);
                 pack_row_pairs(&mut pt.k_keys, d, bits.k, g.k, seq, k_start, c, kv_head, d);
             } else {
                 load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
-                transpose(&mut sc.kt, bc, &sc.k, d, nc, d);
+                transpose(self.isa, &mut sc.kt, bc, &sc.k, d, nc, d);
                 load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
-                transpose(&mut sc.vt, bc, &sc.v, dv, nc, dv);
+                transpose(self.isa, &mut sc.vt, bc, &sc.v, dv, nc, dv);
             }
             sc.dk[..nc * d].fill(0.0);
             sc.dv[..nc * dv].fill(0.0);
@@ -303,7 +306,19 @@ impl<T: Element> Context<'_, T> {
             }
         };
         let exp_scale = smod.deferrable_scale();
-        score_tile(&mut sc.s, bc, (qk, exp_scale.is_some()), d, rows.clone(), cols.clone(), smod, class, &vis, tanh);
+        score_tile(
+            self.isa,
+            &mut sc.s,
+            bc,
+            (qk, exp_scale.is_some()),
+            d,
+            rows.clone(),
+            cols.clone(),
+            smod,
+            class,
+            &vis,
+            tanh,
+        );
         let exp_scale = exp_scale.unwrap_or(1.0);
         match &mut ops {
             // bf16 without dropout: P rounded to pairs along the rows (dV's operand) in the same
@@ -313,7 +328,7 @@ impl<T: Element> Context<'_, T> {
                     let (lo, hi) = sc.s[2 * q * bc..].split_at_mut(bc);
                     let lo = (&mut lo[..nc], sc.lse[2 * q]);
                     let hi = (2 * q + 1 < nr).then(|| (&mut hi[..nc], sc.lse[2 * q + 1]));
-                    exp_scaled_row_pairs(lo, hi, exp_scale, &mut pt.p_rows[q * bc..]);
+                    exp_scaled_row_pairs(self.isa, lo, hi, exp_scale, &mut pt.p_rows[q * bc..]);
                 }
             }
             _ => {
@@ -323,17 +338,19 @@ impl<T: Element> Context<'_, T> {
                     if lse == f32::NEG_INFINITY {
                         row.fill(0.0); // a row that sees no key has no gradient
                     } else {
-                        exp_scaled_sub_sum(row, exp_scale, lse);
+                        exp_scaled_sub_sum(self.isa, row, exp_scale, lse);
                     }
                 }
             }
         }
         // dP_ij = dO_i V_jᵀ.
         match &ops {
-            RowOperands::F32 { dout, ldo, .. } => gemm(&mut sc.dp, bc, dout, *ldo, &sc.vt, bc, (nr, nc, dv), false),
+            RowOperands::F32 { dout, ldo, .. } => {
+                gemm(self.isa, &mut sc.dp, bc, dout, *ldo, &sc.vt, bc, (nr, nc, dv), false)
+            }
             RowOperands::Pairs(pt, slot) => {
                 let dvp = dv.div_ceil(2);
-                gemm_bf16(&mut sc.dp, bc, pt.rows.part(*slot, 1), dvp, &pt.vt, bc, (nr, nc, dvp), false)
+                gemm_bf16(self.isa, &mut sc.dp, bc, pt.rows.part(*slot, 1), dvp, &pt.vt, bc, (nr, nc, dvp), false)
             }
         }
 
@@ -354,13 +371,15 @@ impl<T: Element> Context<'_, T> {
         // dV_j += P'ᵀ dO_i.
         let p = if g.dropout.is_some() { &sc.p_dropped } else { &sc.s };
         match &mut ops {
-            RowOperands::F32 { dout, ldo, .. } => gemm_ta(&mut sc.dv, dv, p, bc, dout, *ldo, (nc, dv, nr), true),
+            RowOperands::F32 { dout, ldo, .. } => {
+                gemm_ta(self.isa, &mut sc.dv, dv, p, bc, dout, *ldo, (nc, dv, nr), true)
+            }
             RowOperands::Pairs(pt, slot) => {
                 if g.dropout.is_some() {
-                    pair_rows(&mut pt.p_rows, bc, p, bc, nr, nc);
+                    pair_rows(self.isa, &mut pt.p_rows, bc, p, bc, nr, nc);
                 }
                 let dout_rows = pt.rows.part(*slot, 3);
-                gemm_bf16_ta(&mut sc.dv, dv, &pt.p_rows, bc, dout_rows, dv, (nc, dv, nr.div_ceil(2)), true);
+                gemm_bf16_ta(self.isa, &mut sc.dv, dv, &pt.p_rows, bc, dout_rows, dv, (nc, dv, nr.div_ceil(2)), true);
             }
         }
 
@@ -390,8 +409,8 @@ impl<T: Element> Context<'_, T> {
                         *pi *= dpi - delta;
                     }
                 }
-                gemm_ta(&mut sc.dk, d, &sc.s, bc, q, ldq, (nc, d, nr), true);
-                gemm(dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true);
+                gemm_ta(self.isa, &mut sc.dk, d, &sc.s, bc, q, ldq, (nc, d, nr), true);
+                gemm(self.isa, dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true);
             }
             RowOperands::Pairs(mut pt, slot) => {
                 // dS rounded to bf16 once, in both layouts, in one pass over P and dP.
@@ -403,11 +422,11 @@ impl<T: Element> Context<'_, T> {
                         (r1 < nr).then(|| (&sc.s[r1 * bc..r1 * bc + nc], &sc.dp[r1 * bc..r1 * bc + nc], sc.delta[r1]));
                     let (keys_lo, keys_hi) = pt.ds_keys[r0 * bcp..].split_at_mut(bcp);
                     let keys_hi = (r1 < nr).then_some(keys_hi);
-                    ds_to_pairs(lo, hi, &mut pt.ds_rows[q * bc..], keys_lo, keys_hi);
+                    ds_to_pairs(self.isa, lo, hi, &mut pt.ds_rows[q * bc..], keys_lo, keys_hi);
                 }
                 let q_rows = pt.rows.part(slot, 2);
-                gemm_bf16_ta(&mut sc.dk, d, &pt.ds_rows, bc, q_rows, d, (nc, d, nr.div_ceil(2)), true);
-                gemm_bf16(dq, d, &pt.ds_keys, bcp, &pt.k_keys, d, (nr, d, nc.div_ceil(2)), true);
+                gemm_bf16_ta(self.isa, &mut sc.dk, d, &pt.ds_rows, bc, q_rows, d, (nc, d, nr.div_ceil(2)), true);
+                gemm_bf16(self.isa, dq, d, &pt.ds_keys, bcp, &pt.k_keys, d, (nr, d, nc.div_ceil(2)), true);
                 sc.pairs = Some(pt);
             }
         }
@@ -425,11 +444,11 @@ enum RowOperands<'a> {
 
 /// Rows `2q, 2q + 1` of the `nr × nc` tile `src` (row stride `ld_src`) rounded to `bf16` and
 /// interleaved into row `q` of `dst` (row stride `ld_dst`): `P` or `dS` paired along the rows.
-fn pair_rows(dst: &mut [Bf16Pair], ld_dst: usize, src: &[f32], ld_src: usize, nr: usize, nc: usize) {
+fn pair_rows(isa: Isa, dst: &mut [Bf16Pair], ld_dst: usize, src: &[f32], ld_src: usize, nr: usize, nc: usize) {
     for q in 0..nr.div_ceil(2) {
         let lo = &src[2 * q * ld_src..2 * q * ld_src + nc];
         let hi = (2 * q + 1 < nr).then(|| &src[(2 * q + 1) * ld_src..(2 * q + 1) * ld_src + nc]);
-        narrow_row_pairs(&mut dst[q * ld_dst..], lo, hi);
+        narrow_row_pairs(isa, &mut dst[q * ld_dst..], lo, hi);
     }
 }
 

@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use super::blocking::Tiles;
 use super::gemm::{gemm, gemm_acc_skipping_zeros, gemm_bf16, Bf16Pair};
+use super::isa::Isa;
 use super::pairs::{narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::softmax::OnlineSoftmax;
 use super::tile::{load_rows, panels, rows_f32, score_tile, QkOperands, ScoreMod, PANEL};
@@ -163,6 +164,8 @@ pub(super) struct Context<'a, T> {
     /// both products then run on `bf16` operands (exact products, `f32` sums; `P` rounded to
     /// `bf16` as in FlashAttention-2), at twice the rate of widening to `f32`.
     pub bf16: Option<Bf16Inputs<'a>>,
+    /// The instruction-set path every kernel of the call runs on (resolved once, at the top).
+    pub isa: Isa,
 }
 
 impl<T: Element> Context<'_, T> {
@@ -226,7 +229,7 @@ impl<T: Element> Context<'_, T> {
             let qk = match (self.bf16, sc.pairs.as_mut()) {
                 (Some(bits), Some(pt)) => {
                     let kt = pt.kt_cache.tile(key_tile, &mut pt.kt, |dst, slot| {
-                        pack_rows_transposed(dst, bc, bits.k, g.k, seq, seq.k_start, packed(slot), kv_head, d)
+                        pack_rows_transposed(self.isa, dst, bc, bits.k, g.k, seq, seq.k_start, packed(slot), kv_head, d)
                     });
                     QkOperands::Bf16Pairs { q: &pt.q, ldq: dp, kt }
                 }
@@ -236,7 +239,7 @@ impl<T: Element> Context<'_, T> {
                         let keys = packed(slot);
                         let n = keys.len();
                         let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
-                        transpose(dst, bc, k, ldk, n, d);
+                        transpose(self.isa, dst, bc, k, ldk, n, d);
                     });
                     QkOperands::F32 { q: &sc.q, ldq: d, kt }
                 }
@@ -245,13 +248,25 @@ impl<T: Element> Context<'_, T> {
             // S_ij = Q_i K_jᵀ (line 9), score modifiers, mask on Partial tiles only; a plain scale
             // waits for the exponent of the softmax.
             let deferred = smod.deferrable_scale();
-            score_tile(&mut sc.s, bc, (qk, deferred.is_some()), d, rows.clone(), cols.clone(), smod, class, &vis, None);
+            score_tile(
+                self.isa,
+                &mut sc.s,
+                bc,
+                (qk, deferred.is_some()),
+                d,
+                rows.clone(),
+                cols.clone(),
+                smod,
+                class,
+                &vis,
+                None,
+            );
             // m, l, P and the rescale of O (lines 10-12), then O_i += P_ij V_j.
             // On bf16 pairs without dropout, P goes straight to the pairs of the second product.
             let ldp = bc.div_ceil(2);
             let fused = sc.pairs.as_mut().filter(|_| dropout.is_none()).map(|pt| (&mut pt.p[..], ldp));
             let p_in_pairs = fused.is_some();
-            sc.softmax.update(&mut sc.s, bc, nc, &mut sc.o, dv, deferred.unwrap_or(1.0), fused);
+            sc.softmax.update(self.isa, &mut sc.s, bc, nc, &mut sc.o, dv, deferred.unwrap_or(1.0), fused);
             if let Some(rng) = &dropout {
                 // Dropout acts on P after l has summed it: lse stays that of the full softmax.
                 for (r, i) in rows.clone().enumerate() {
@@ -265,11 +280,11 @@ impl<T: Element> Context<'_, T> {
                 });
                 if !p_in_pairs {
                     for r in 0..nr {
-                        narrow_to_pairs(&mut pt.p[r * ldp..], &sc.s[r * bc..r * bc + nc]);
+                        narrow_to_pairs(self.isa, &mut pt.p[r * ldp..], &sc.s[r * bc..r * bc + nc]);
                     }
                 }
                 if class == TileClass::Full {
-                    gemm_bf16(&mut sc.o, dv, &pt.p, ldp, v, dv, (nr, dv, nc.div_ceil(2)), true);
+                    gemm_bf16(self.isa, &mut sc.o, dv, &pt.p, ldp, v, dv, (nr, dv, nc.div_ceil(2)), true);
                 } else {
                     // Panel by panel as below; a panel's keys widened to whole pairs (the extra
                     // key is a masked one, whose probability is an exact zero).
@@ -278,7 +293,7 @@ impl<T: Element> Context<'_, T> {
                         let words = keys.start / 2..keys.end.div_ceil(2);
                         if !keys.is_empty() {
                             let (o, p) = (&mut sc.o[p0 * dv..], &pt.p[p0 * ldp + words.start..]);
-                            gemm_bf16(o, dv, p, ldp, &v[words.start * dv..], dv, (n, dv, words.len()), true);
+                            gemm_bf16(self.isa, o, dv, p, ldp, &v[words.start * dv..], dv, (n, dv, words.len()), true);
                         }
                     }
                 }
@@ -295,7 +310,7 @@ impl<T: Element> Context<'_, T> {
                 rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv)
             };
             if class == TileClass::Full {
-                gemm(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc), true);
+                gemm(self.isa, &mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc), true);
             } else if !self.v_finite {
                 // Masked probabilities are exact zeros: never form 0 · NaN for a hidden key.
                 gemm_acc_skipping_zeros(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc));
@@ -305,7 +320,7 @@ impl<T: Element> Context<'_, T> {
                     let n = (p0 + PANEL).min(nr) - p0;
                     if !keys.is_empty() {
                         let (o, p) = (&mut sc.o[p0 * dv..], &sc.s[p0 * bc + keys.start..]);
-                        gemm(o, dv, p, bc, &v[keys.start * ldv..], ldv, (n, dv, keys.len()), true);
+                        gemm(self.isa, o, dv, p, bc, &v[keys.start * ldv..], ldv, (n, dv, keys.len()), true);
                     }
                 }
             }

@@ -14,35 +14,13 @@
 //! layout of AVX-512 BF16's `vdpbf16ps`, which does 32 products per instruction where an f32 FMA
 //! does 16, at the same rate on Zen 4): products of two `bf16` are exact in `f32`, sums are `f32`.
 
-/// Which implementation [`gemm`] uses on this machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Path {
-    /// AVX-512F intrinsics.
-    Avx512,
-    /// AVX2 + FMA intrinsics.
-    Avx2,
-    /// Portable Rust.
-    Portable,
-}
-
-/// The best path this CPU supports.
-pub fn detect() -> Path {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return Path::Avx512;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return Path::Avx2;
-        }
-    }
-    Path::Portable
-}
+pub use super::isa::Isa;
 
 /// `C[m × n] = A[m × k] · B[k × n]` (or `+=` when `accumulate`), leading dimensions in elements.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn gemm(
+    isa: Isa,
     c: &mut [f32],
     ldc: usize,
     a: &[f32],
@@ -52,13 +30,14 @@ pub fn gemm(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_with(detect(), c, ldc, a, lda, false, b, ldb, (m, n, k), accumulate)
+    gemm_with(isa, c, ldc, a, lda, false, b, ldb, (m, n, k), accumulate)
 }
 
 /// `C[m × n] (+)= Aᵀ · B` where `a` holds `A` transposed: `k × m`, row stride `lda`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn gemm_ta(
+    isa: Isa,
     c: &mut [f32],
     ldc: usize,
     a: &[f32],
@@ -68,14 +47,14 @@ pub fn gemm_ta(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_with(detect(), c, ldc, a, lda, true, b, ldb, (m, n, k), accumulate)
+    gemm_with(isa, c, ldc, a, lda, true, b, ldb, (m, n, k), accumulate)
 }
 
-/// [`gemm`] / [`gemm_ta`] on an explicit path (tests compare paths). A path the CPU lacks falls
-/// back to the portable one.
+/// [`gemm`] (`trans_a = false`) or [`gemm_ta`]. A path the CPU lacks falls back to the portable
+/// one.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_with(
-    path: Path,
+    isa: Isa,
     c: &mut [f32],
     ldc: usize,
     a: &[f32],
@@ -100,8 +79,8 @@ pub fn gemm_with(
     );
     #[cfg(target_arch = "x86_64")]
     {
-        match path {
-            Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
+        match isa {
+            Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
                 // SAFETY: the CPU supports AVX-512F (checked just above) and the assert above
                 // bounds every access the kernel makes.
                 return unsafe {
@@ -112,7 +91,7 @@ pub fn gemm_with(
                     }
                 };
             }
-            Path::Avx2 if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") => {
+            Isa::Avx2 if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") => {
                 // SAFETY: as above, for AVX2 and FMA.
                 return unsafe {
                     if trans_a {
@@ -125,7 +104,19 @@ pub fn gemm_with(
             _ => {}
         }
     }
-    let _ = path;
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon && std::arch::is_aarch64_feature_detected!("neon") {
+        // SAFETY: the CPU supports NEON (checked just above) and the assert above bounds every
+        // access the kernel makes.
+        return unsafe {
+            if trans_a {
+                super::neon::gemm::<true>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+            } else {
+                super::neon::gemm::<false>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+            }
+        };
+    }
+    let _ = isa;
     gemm_portable(c, ldc, a, lda, trans_a, b, ldb, m, n, k, accumulate)
 }
 
@@ -133,24 +124,13 @@ pub fn gemm_with(
 /// half. Rows of `A` and columns of `B` in [`gemm_bf16`] are sequences of such pairs along `k`.
 pub type Bf16Pair = u32;
 
-/// Whether [`gemm_bf16`] runs on AVX-512 BF16 here (otherwise it is portable and slower than
-/// widening to `f32`, so callers should widen instead).
-pub fn bf16_pairs_fast() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16") {
-            return true;
-        }
-    }
-    false
-}
-
 /// `C[m × n] (+)= A · B` on `bf16` pairs: `a[i · lda + p]` holds `A[i][2p], A[i][2p + 1]`,
 /// `b[p · ldb + j]` holds `B[2p][j], B[2p + 1][j]`, `kp` pairs (an odd `k` is padded with a zero).
 /// Leading dimensions in words; `C` in `f32`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn gemm_bf16(
+    isa: Isa,
     c: &mut [f32],
     ldc: usize,
     a: &[Bf16Pair],
@@ -160,7 +140,7 @@ pub fn gemm_bf16(
     (m, n, kp): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_bf16_with(bf16_pairs_fast(), c, ldc, a, lda, false, b, ldb, (m, n, kp), accumulate)
+    gemm_bf16_with(isa.bf16_pairs(), c, ldc, a, lda, false, b, ldb, (m, n, kp), accumulate)
 }
 
 /// [`gemm_bf16`] with `A` stored transposed: `a[p · lda + i]` holds `A[i][2p], A[i][2p + 1]`
@@ -168,6 +148,7 @@ pub fn gemm_bf16(
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn gemm_bf16_ta(
+    isa: Isa,
     c: &mut [f32],
     ldc: usize,
     a: &[Bf16Pair],
@@ -177,7 +158,7 @@ pub fn gemm_bf16_ta(
     (m, n, kp): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_bf16_with(bf16_pairs_fast(), c, ldc, a, lda, true, b, ldb, (m, n, kp), accumulate)
+    gemm_bf16_with(isa.bf16_pairs(), c, ldc, a, lda, true, b, ldb, (m, n, kp), accumulate)
 }
 
 /// [`gemm_bf16`] / [`gemm_bf16_ta`] with the AVX-512 BF16 path on or off (tests compare them);
@@ -207,7 +188,7 @@ pub fn gemm_bf16_with(
         "gemm_bf16: tile views out of bounds"
     );
     #[cfg(target_arch = "x86_64")]
-    if fast && bf16_pairs_fast() {
+    if fast && Isa::Avx512.bf16_pairs() {
         // SAFETY: the CPU supports AVX-512F and AVX-512 BF16 (checked just above) and the assert
         // above bounds every access the kernel makes.
         return unsafe {
@@ -263,7 +244,7 @@ pub fn gemm_acc_skipping_zeros(
 
 /// Element `(i, p)` of `A` (stored transposed when `TA`).
 #[inline(always)]
-fn a_index<const TA: bool>(i: usize, p: usize, lda: usize) -> usize {
+pub(super) fn a_index<const TA: bool>(i: usize, p: usize, lda: usize) -> usize {
     if TA {
         p * lda + i
     } else {
@@ -548,7 +529,8 @@ mod x86 {
         }
     }
 
-    /// Rows per AVX2 micro-tile (2 × 8 columns each).
+    /// Rows per AVX2 micro-tile (2 × 8 columns each: 12 accumulators, 2 of `B`, 1 broadcast of
+    /// the 16 ymm registers).
     const MR256: usize = 6;
 
     /// # Safety
@@ -567,49 +549,52 @@ mod x86 {
         k: usize,
         accumulate: bool,
     ) {
-        let n16 = n / 16 * 16;
         let (cp, ap, bp) = (c.as_mut_ptr(), a.as_ptr(), b.as_ptr());
-        let mut i = 0;
-        while i < m {
-            let rows = (m - i).min(MR256);
-            let mut j = 0;
-            while j < n16 {
-                // SAFETY: forwarded from the caller; full 16-column blocks only.
+        let mut j = 0;
+        while j < n {
+            // A column tail runs the same FMA chain under lane masks: every element of C is the
+            // same sequence of operations wherever a tile boundary falls (a scalar tail with
+            // separate multiplies and adds made results depend on the panel's first column).
+            let w = (n - j).min(16);
+            let masks = (lane_mask(w), lane_mask(w.saturating_sub(8)));
+            let mut i = 0;
+            while i < m {
+                let rows = (m - i).min(MR256);
+                // SAFETY: forwarded from the caller; rows <= MR256, columns masked to n.
                 unsafe {
-                    match rows {
-                        6 => tile256::<6, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        5 => tile256::<5, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        4 => tile256::<4, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        3 => tile256::<3, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        2 => tile256::<2, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
-                        _ => tile256::<1, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    match (rows, w == 16) {
+                        (6, true) => tile256::<6, TA, true>(cp, ldc, ap, lda, bp, ldb, i, j, k, masks, accumulate),
+                        (6, false) => tile256::<6, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, masks, accumulate),
+                        (5, _) => tile256::<5, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, masks, accumulate),
+                        (4, _) => tile256::<4, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, masks, accumulate),
+                        (3, _) => tile256::<3, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, masks, accumulate),
+                        (2, _) => tile256::<2, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, masks, accumulate),
+                        _ => tile256::<1, TA, false>(cp, ldc, ap, lda, bp, ldb, i, j, k, masks, accumulate),
                     }
                 }
-                j += 16;
+                i += rows;
             }
-            i += rows;
-        }
-        if n16 < n {
-            // Column tail: the portable loop on the last n - n16 columns.
-            for i in 0..m {
-                for jj in n16..n {
-                    let mut s = 0.0f32;
-                    for p in 0..k {
-                        s += a[super::a_index::<TA>(i, p, lda)] * b[p * ldb + jj];
-                    }
-                    let cij = &mut c[i * ldc + jj];
-                    *cij = if accumulate { *cij + s } else { s };
-                }
-            }
+            j += w;
         }
     }
 
+    /// Lanes `0..w` of 8 selected (all ones), the rest not: an AVX2 load/store mask.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn lane_mask(w: usize) -> __m256i {
+        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(w.min(8) as i32), idx)
+    }
+
+    /// One `R × 16` micro-tile at `(i, j)`: `masks` select the valid columns of each 8-column
+    /// half; `FULL`: all 16 are valid and `B` and `C` move with plain loads and stores.
+    ///
     /// # Safety
-    /// AVX2 and FMA available; rows `i..i+R`, columns `j..j+16` and `k` in bounds.
+    /// AVX2 and FMA available; rows `i..i+R`, the masked columns from `j`, and `k` in bounds.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn tile256<const R: usize, const TA: bool>(
+    unsafe fn tile256<const R: usize, const TA: bool, const FULL: bool>(
         c: *mut f32,
         ldc: usize,
         a: *const f32,
@@ -619,15 +604,21 @@ mod x86 {
         i: usize,
         j: usize,
         k: usize,
+        (m0, m1): (__m256i, __m256i),
         accumulate: bool,
     ) {
-        // SAFETY (whole body): offsets stay within the views the caller bounded.
+        // SAFETY (whole body): offsets stay within the views the caller bounded; masked loads
+        // and stores touch only the selected columns (a fully masked half's address may lie past
+        // the view: wrapping_add, never dereferenced).
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); 2]; R];
             for p in 0..k {
                 let brow = b.add(p * ldb + j);
-                let b0 = _mm256_loadu_ps(brow);
-                let b1 = _mm256_loadu_ps(brow.add(8));
+                let (b0, b1) = if FULL {
+                    (_mm256_loadu_ps(brow), _mm256_loadu_ps(brow.add(8)))
+                } else {
+                    (_mm256_maskload_ps(brow, m0), _mm256_maskload_ps(brow.wrapping_add(8), m1))
+                };
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let av = _mm256_set1_ps(*a.add(super::a_index::<TA>(i + r, p, lda)));
                     acc_r[0] = _mm256_fmadd_ps(av, b0, acc_r[0]);
@@ -637,12 +628,22 @@ mod x86 {
             for (r, acc_r) in acc.iter().enumerate() {
                 let crow = c.add((i + r) * ldc + j);
                 let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
-                if accumulate {
-                    c0 = _mm256_add_ps(c0, _mm256_loadu_ps(crow));
-                    c1 = _mm256_add_ps(c1, _mm256_loadu_ps(crow.add(8)));
+                if FULL {
+                    if accumulate {
+                        c0 = _mm256_add_ps(c0, _mm256_loadu_ps(crow));
+                        c1 = _mm256_add_ps(c1, _mm256_loadu_ps(crow.add(8)));
+                    }
+                    _mm256_storeu_ps(crow, c0);
+                    _mm256_storeu_ps(crow.add(8), c1);
+                } else {
+                    let crow1 = crow.wrapping_add(8);
+                    if accumulate {
+                        c0 = _mm256_add_ps(c0, _mm256_maskload_ps(crow, m0));
+                        c1 = _mm256_add_ps(c1, _mm256_maskload_ps(crow1, m1));
+                    }
+                    _mm256_maskstore_ps(crow, m0, c0);
+                    _mm256_maskstore_ps(crow1, m1, c1);
                 }
-                _mm256_storeu_ps(crow, c0);
-                _mm256_storeu_ps(crow.add(8), c1);
             }
         }
     }
@@ -670,7 +671,7 @@ mod tests {
             let b: Vec<f32> = (0..k * n).map(|_| rng.normal() as f32).collect();
             let want = reference(&a, &b, m, n, k);
             let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
-            for path in [Path::Avx512, Path::Avx2, Path::Portable] {
+            for path in Isa::available() {
                 for (accumulate, trans_a) in [(false, false), (true, false), (false, true), (true, true)] {
                     let init: Vec<f32> = (0..m * n).map(|x| x as f32 * 0.25).collect();
                     let mut c = init.clone();
@@ -722,12 +723,60 @@ mod tests {
         }
     }
 
+    /// What the bitwise invariances rest on: an element of `C` is the same sequence of operations
+    /// whichever rows and columns share its call (attention's Partial tiles multiply column
+    /// ranges that start wherever a panel's keys start).
+    #[test]
+    fn an_element_gets_the_same_bits_wherever_its_tile_starts() {
+        let mut rng = crate::check::Rng::new(13);
+        let (m, n, k) = (19, 53, 37);
+        let a: Vec<f32> = (0..m * k).map(|_| rng.normal() as f32).collect();
+        let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
+        let b: Vec<f32> = (0..k * n).map(|_| rng.normal() as f32).collect();
+        let init: Vec<f32> = (0..m * n).map(|_| rng.normal() as f32).collect();
+        for isa in Isa::available() {
+            for (accumulate, trans_a) in [(false, false), (true, false), (false, true), (true, true)] {
+                let (a_op, lda) = if trans_a { (&at, m) } else { (&a, k) };
+                let mut whole = init.clone();
+                gemm_with(isa, &mut whole, n, a_op, lda, trans_a, &b, n, (m, n, k), accumulate);
+                for (r0, c0) in [(0, 1), (3, 5), (7, 17), (1, 31), (11, 40), (0, 52)] {
+                    for (rows, cols) in [(1, 1), (5, 9), (8, 13)] {
+                        let (rows, cols) = (rows.min(m - r0), cols.min(n - c0));
+                        let mut part = init.clone();
+                        let a_view = if trans_a { &at[r0..] } else { &a[r0 * k..] };
+                        gemm_with(
+                            isa,
+                            &mut part[r0 * n + c0..],
+                            n,
+                            a_view,
+                            lda,
+                            trans_a,
+                            &b[c0..],
+                            n,
+                            (rows, cols, k),
+                            accumulate,
+                        );
+                        for i in r0..r0 + rows {
+                            for j in c0..c0 + cols {
+                                assert_eq!(
+                                    part[i * n + j].to_bits(),
+                                    whole[i * n + j].to_bits(),
+                                    "{isa} acc={accumulate} ta={trans_a} tile at ({r0}, {c0}): [{i}, {j}]"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn leading_dimensions_larger_than_the_tile_leave_the_rest_untouched() {
         let (m, n, k, ld) = (5, 19, 6, 40);
         let a: Vec<f32> = (0..m * ld).map(|x| (x % 7) as f32 - 3.0).collect();
         let b: Vec<f32> = (0..k * ld).map(|x| (x % 5) as f32 - 2.0).collect();
-        for path in [Path::Avx512, Path::Avx2, Path::Portable] {
+        for path in Isa::available() {
             let mut c = vec![7.0f32; m * ld];
             gemm_with(path, &mut c, ld, &a, ld, false, &b, ld, (m, n, k), false);
             for i in 0..m {

@@ -9,12 +9,20 @@ mod backward;
 pub(crate) mod blocking;
 mod forward;
 pub mod gemm;
+pub mod isa;
 mod lanes;
 mod pairs;
 mod softmax;
 mod tile;
 mod transpose;
 mod vexp;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+pub use isa::Isa;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -184,6 +192,7 @@ fn forward_with_cache_budget<T: Element>(
     // Tiles larger than the problem buy nothing; clamping keeps scratch sizes bounded.
     let tiles = Tiles { br: tiles.br.min(g.max_sq.max(1)), bc: tiles.bc.min(g.max_sk.max(1)) };
     let out_layout: RowLayout = g.check_out(out, lse)?;
+    let isa = Isa::resolve(g.cpu_isa)?;
 
     let units = forward_units(g, tiles.br, rayon::current_num_threads());
 
@@ -192,7 +201,7 @@ fn forward_with_cache_budget<T: Element>(
     let lse_sink = Sink::new(lse);
     let v_finite = all_finite(g, v);
     let bf16 = match (pairs::bf16_bits(q.data()), pairs::bf16_bits(k.data()), pairs::bf16_bits(v.data())) {
-        (Some(q), Some(k), Some(v)) if v_finite && gemm::bf16_pairs_fast() => Some(forward::Bf16Inputs { q, k, v }),
+        (Some(q), Some(k), Some(v)) if v_finite && isa.bf16_pairs() => Some(forward::Bf16Inputs { q, k, v }),
         _ => None,
     };
     let ctx = forward::Context {
@@ -206,6 +215,7 @@ fn forward_with_cache_budget<T: Element>(
         tiles,
         v_finite,
         bf16,
+        isa,
     };
     // V is packed once per unit unless its rows can be read in place as they are (f32, contiguous).
     let pack_v = T::as_f32(v.data()).is_none() || g.v.token_stride != g.dv;
@@ -261,6 +271,7 @@ fn backward_tiled<T: Element>(
     row_budget: usize,
 ) -> Result<()> {
     check_head_dims(g)?;
+    let isa = Isa::resolve(g.cpu_isa)?;
     let out_layout = g.check_input_like("out", out, &g.q_shape(g.dv), true)?;
     let dout_layout = g.check_input_like("dout", dout, &g.q_shape(g.dv), true)?;
     g.check_lse_len(lse.len())?;
@@ -284,9 +295,7 @@ fn backward_tiled<T: Element>(
         pairs::bf16_bits(v.data()),
         pairs::bf16_bits(dout.data()),
     ) {
-        (Some(q), Some(k), Some(v), Some(dout)) if gemm::bf16_pairs_fast() => {
-            Some(backward::Bf16Inputs { q, k, v, dout })
-        }
+        (Some(q), Some(k), Some(v), Some(dout)) if isa.bf16_pairs() => Some(backward::Bf16Inputs { q, k, v, dout }),
         _ => None,
     };
     let ctx = backward::Context {
@@ -306,6 +315,7 @@ fn backward_tiled<T: Element>(
         tiles,
         chunks,
         bf16,
+        isa,
     };
     let mut units = Vec::new();
     for s in 0..g.seqs.len() {
@@ -429,6 +439,7 @@ mod tests {
             block: None,
             storage: Storage::Contiguous,
             seed: 0xcac4e,
+            isa: None,
         }
     }
 

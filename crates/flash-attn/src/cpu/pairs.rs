@@ -10,6 +10,7 @@ use std::any::TypeId;
 use std::ops::Range;
 
 use super::gemm::Bf16Pair;
+use super::isa::Isa;
 use super::transpose::transpose;
 use crate::dtype::Element;
 use crate::spec::{RowLayout, Sequence};
@@ -65,6 +66,7 @@ pub(super) fn pack_rows(
 /// `2p, 2p + 1` of row `c` (the `B` operand `Kᵀ` of `S = Q Kᵀ`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn pack_rows_transposed(
+    isa: Isa,
     dst: &mut [Bf16Pair],
     ld: usize,
     src: &[u16],
@@ -79,7 +81,7 @@ pub(super) fn pack_rows_transposed(
     if let Some(src_words) = word_rows(src, layout, seq, start, rows.clone(), head, words) {
         // The common case: rows start on 4-byte boundaries, so `Kᵀ` pairs are a transpose of
         // words (16 × 16 blocks through registers); an odd last element is paired with zero.
-        transpose(dst, ld, src_words, layout.token_stride / 2, rows.len(), words);
+        transpose(isa, dst, ld, src_words, layout.token_stride / 2, rows.len(), words);
         if dim % 2 == 1 {
             for (c, i) in rows.enumerate() {
                 dst[words * ld + c] = pair(src[layout.row(seq, start, i, head) + dim - 1], 0);
@@ -175,9 +177,9 @@ pub(super) fn pack_row_pairs(
 
 /// `src` rounded to `bf16` (nearest even) in pairs: `dst[p]` = `src[2p], src[2p + 1]`, an odd
 /// length padded with zero. `dst` holds at least `src.len().div_ceil(2)` words.
-pub(super) fn narrow_to_pairs(dst: &mut [Bf16Pair], src: &[f32]) {
+pub(super) fn narrow_to_pairs(isa: Isa, dst: &mut [Bf16Pair], src: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::bf16_pairs_fast() {
+    if isa.bf16_pairs() {
         assert!(dst.len() >= src.len().div_ceil(2), "narrow_to_pairs: destination too short");
         // SAFETY: AVX-512F and AVX-512 BF16 are available (checked above); lengths checked.
         return unsafe { x86::narrow_to_pairs(dst, src) };
@@ -191,11 +193,11 @@ pub(super) fn narrow_to_pairs(dst: &mut [Bf16Pair], src: &[f32]) {
 
 /// Two rows rounded to `bf16` (nearest even) and interleaved: `dst[c]` = `lo[c], hi[c]` (zero
 /// when `hi` is `None`) — a row of `P` or `dS` paired along the query rows.
-pub(super) fn narrow_row_pairs(dst: &mut [Bf16Pair], lo: &[f32], hi: Option<&[f32]>) {
+pub(super) fn narrow_row_pairs(isa: Isa, dst: &mut [Bf16Pair], lo: &[f32], hi: Option<&[f32]>) {
     let n = lo.len();
     assert!(dst.len() >= n && hi.is_none_or(|h| h.len() >= n), "narrow_row_pairs: lengths");
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::bf16_pairs_fast() {
+    if isa.bf16_pairs() {
         // SAFETY: AVX-512F and AVX-512 BF16 are available (checked above); lengths checked.
         return unsafe { x86::narrow_row_pairs(dst, lo, hi) };
     }
@@ -214,6 +216,7 @@ pub(super) type DsRow<'a> = (&'a [f32], &'a [f32], f32);
 /// the keys into `keys_lo` / `keys_hi` (an odd length padded with zero; the `A` operand of
 /// `dQ += dS K`). Bitwise [`narrow_row_pairs`] and [`narrow_to_pairs`] of `p · (dp - d)`.
 pub(super) fn ds_to_pairs(
+    isa: Isa,
     lo: DsRow<'_>,
     hi: Option<DsRow<'_>>,
     rows_dst: &mut [Bf16Pair],
@@ -232,17 +235,17 @@ pub(super) fn ds_to_pairs(
         "ds_to_pairs: lengths"
     );
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::bf16_pairs_fast() {
+    if isa.bf16_pairs() {
         // SAFETY: AVX-512F and AVX-512 BF16 are available (checked above); lengths checked.
         return unsafe { x86::ds_to_pairs(lo, hi, rows_dst, keys_lo, keys_hi) };
     }
     let ds = |(p, dp, d): DsRow<'_>| -> Vec<f32> { p[..n].iter().zip(dp).map(|(&p, &dp)| p * (dp - d)).collect() };
     let ds_lo = ds(lo);
     let ds_hi = hi.map(ds);
-    narrow_row_pairs(rows_dst, &ds_lo, ds_hi.as_deref());
-    narrow_to_pairs(keys_lo, &ds_lo);
+    narrow_row_pairs(isa, rows_dst, &ds_lo, ds_hi.as_deref());
+    narrow_to_pairs(isa, keys_lo, &ds_lo);
     if let (Some(k), Some(h)) = (keys_hi, &ds_hi) {
-        narrow_to_pairs(k, h);
+        narrow_to_pairs(isa, k, h);
     }
 }
 
@@ -370,14 +373,16 @@ mod tests {
     #[test]
     fn narrowing_rounds_to_nearest_even_and_pads_odd_lengths() {
         let src: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 1.001_23 + 1.0 / 3.0).collect();
-        let mut dst = vec![u32::MAX; 20];
-        narrow_to_pairs(&mut dst, &src);
-        for (i, &x) in src.iter().enumerate() {
-            let half = if i % 2 == 0 { dst[i / 2] & 0xFFFF } else { dst[i / 2] >> 16 };
-            assert_eq!(half as u16, half::bf16::from_f32(x).to_bits(), "element {i}");
+        for isa in Isa::available() {
+            let mut dst = vec![u32::MAX; 20];
+            narrow_to_pairs(isa, &mut dst, &src);
+            for (i, &x) in src.iter().enumerate() {
+                let half = if i % 2 == 0 { dst[i / 2] & 0xFFFF } else { dst[i / 2] >> 16 };
+                assert_eq!(half as u16, half::bf16::from_f32(x).to_bits(), "element {i}");
+            }
+            assert_eq!(dst[18] >> 16, 0, "odd tail padded with zero");
+            assert_eq!(dst[19], u32::MAX, "nothing written past the pairs");
         }
-        assert_eq!(dst[18] >> 16, 0, "odd tail padded with zero");
-        assert_eq!(dst[19], u32::MAX, "nothing written past the pairs");
     }
 
     #[test]
@@ -385,9 +390,9 @@ mod tests {
         let lo: Vec<f32> = (0..21).map(|i| i as f32 * 0.377 - 3.1).collect();
         let hi: Vec<f32> = (0..21).map(|i| 1.0 / (i as f32 + 0.7)).collect();
         let round = |x: f32| half::bf16::from_f32(x).to_bits() as u32;
-        for hi_row in [Some(&hi[..]), None] {
+        for (isa, hi_row) in Isa::available().into_iter().flat_map(|isa| [(isa, Some(&hi[..])), (isa, None)]) {
             let mut dst = vec![u32::MAX; 22];
-            narrow_row_pairs(&mut dst, &lo, hi_row);
+            narrow_row_pairs(isa, &mut dst, &lo, hi_row);
             for c in 0..21 {
                 assert_eq!(dst[c], round(lo[c]) | hi_row.map_or(0, |h| round(h[c])) << 16, "column {c}");
             }
@@ -405,17 +410,17 @@ mod tests {
             let ds =
                 |p: &[f32], dp: &[f32], d: f32| -> Vec<f32> { p.iter().zip(dp).map(|(&p, &x)| p * (x - d)).collect() };
             let (ds_lo, ds_hi) = (ds(&p, &dp, 0.3), ds(&p2, &dp2, -1.1));
-            for with_hi in [true, false] {
+            for (isa, with_hi) in Isa::available().into_iter().flat_map(|isa| [(isa, true), (isa, false)]) {
                 let mut rows_want = vec![0u32; n];
-                narrow_row_pairs(&mut rows_want, &ds_lo, with_hi.then_some(&ds_hi[..]));
+                narrow_row_pairs(isa, &mut rows_want, &ds_lo, with_hi.then_some(&ds_hi[..]));
                 let (mut lo_want, mut hi_want) = (vec![0u32; n.div_ceil(2)], vec![0u32; n.div_ceil(2)]);
-                narrow_to_pairs(&mut lo_want, &ds_lo);
-                narrow_to_pairs(&mut hi_want, &ds_hi);
+                narrow_to_pairs(isa, &mut lo_want, &ds_lo);
+                narrow_to_pairs(isa, &mut hi_want, &ds_hi);
                 let mut rows = vec![u32::MAX; n + 1];
                 let (mut keys_lo, mut keys_hi) = (vec![u32::MAX; n.div_ceil(2) + 1], vec![u32::MAX; n.div_ceil(2) + 1]);
                 let hi = with_hi.then_some((&p2[..], &dp2[..], -1.1f32));
                 let keys_hi_dst = with_hi.then_some(&mut keys_hi[..]);
-                ds_to_pairs((&p, &dp, 0.3), hi, &mut rows, &mut keys_lo, keys_hi_dst);
+                ds_to_pairs(isa, (&p, &dp, 0.3), hi, &mut rows, &mut keys_lo, keys_hi_dst);
                 assert_eq!(&rows[..n], &rows_want[..], "rows, n = {n}");
                 assert_eq!(rows[n], u32::MAX, "wrote past the row pairs, n = {n}");
                 assert_eq!(&keys_lo[..n.div_ceil(2)], &lo_want[..], "keys of lo, n = {n}");

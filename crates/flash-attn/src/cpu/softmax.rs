@@ -7,6 +7,7 @@
 use std::f32::consts::LOG2_E;
 
 use super::gemm::Bf16Pair;
+use super::isa::Isa;
 use super::vexp::{exp_scaled_sub_sum, exp_scaled_sum_to_pairs, row_max};
 
 /// Running row maxima and sums of one query tile.
@@ -34,6 +35,7 @@ impl OnlineSoftmax {
     #[allow(clippy::too_many_arguments)]
     pub fn update(
         &mut self,
+        isa: Isa,
         s: &mut [f32],
         ld_s: usize,
         cols: usize,
@@ -45,7 +47,7 @@ impl OnlineSoftmax {
         debug_assert!(scale > 0.0);
         for (r, (m, l)) in self.row_max.iter_mut().zip(&mut self.row_sum).enumerate() {
             let row = &mut s[r * ld_s..r * ld_s + cols];
-            let tile_max = row_max(row) * scale;
+            let tile_max = row_max(isa, row) * scale;
             let m_new = m.max(tile_max);
             if m_new == f32::NEG_INFINITY {
                 // Nothing finite visible yet in this row: every probability is 0 — unless a score
@@ -67,8 +69,8 @@ impl OnlineSoftmax {
                 *m = m_new;
             }
             *l += match pairs.as_mut() {
-                Some((p, ld)) => exp_scaled_sum_to_pairs(row, scale, m_new, &mut p[r * *ld..]),
-                None => exp_scaled_sub_sum(row, scale, m_new),
+                Some((p, ld)) => exp_scaled_sum_to_pairs(isa, row, scale, m_new, &mut p[r * *ld..]),
+                None => exp_scaled_sub_sum(isa, row, scale, m_new),
             };
         }
     }
@@ -101,7 +103,7 @@ mod tests {
         for tile in [0..2, 2..6] {
             let mut s: Vec<f32> = scores[tile.clone()].to_vec();
             let n = s.len();
-            st.update(&mut s, n, n, &mut o, 1, 1.0, None);
+            st.update(Isa::Portable, &mut s, n, n, &mut o, 1, 1.0, None);
             for (p, vi) in s.iter().zip(&values[tile]) {
                 o[0] += p * vi;
             }
@@ -119,7 +121,7 @@ mod tests {
         st.reset(1);
         let mut s = [f32::NEG_INFINITY; 3];
         let mut o = [0.0f32; 2];
-        st.update(&mut s, 3, 3, &mut o, 2, 1.0, None);
+        st.update(Isa::Portable, &mut s, 3, 3, &mut o, 2, 1.0, None);
         assert_eq!(s, [0.0; 3]);
         assert!(st.finish(0).is_none());
     }

@@ -4,6 +4,7 @@
 use std::ops::Range;
 
 use super::gemm::{gemm, gemm_bf16, Bf16Pair};
+use super::isa::Isa;
 use crate::dtype::Element;
 use crate::mask::{TileClass, Visibility};
 use crate::spec::{Geometry, RowLayout, Sequence};
@@ -130,11 +131,11 @@ impl QkOperands<'_> {
     /// `s[r][c] = q[r0 + r] · k[c0 + c]` for `n` rows and `nc` columns; `ld` is the row stride of
     /// `s` and of `Kᵀ`.
     #[allow(clippy::too_many_arguments)]
-    fn product(&self, s: &mut [f32], ld: usize, r0: usize, c0: usize, (n, nc, d): (usize, usize, usize)) {
+    fn product(&self, isa: Isa, s: &mut [f32], ld: usize, r0: usize, c0: usize, (n, nc, d): (usize, usize, usize)) {
         match *self {
-            QkOperands::F32 { q, ldq, kt } => gemm(s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d), false),
+            QkOperands::F32 { q, ldq, kt } => gemm(isa, s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d), false),
             QkOperands::Bf16Pairs { q, ldq, kt } => {
-                gemm_bf16(s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d.div_ceil(2)), false)
+                gemm_bf16(isa, s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d.div_ceil(2)), false)
             }
         }
     }
@@ -146,6 +147,7 @@ impl QkOperands<'_> {
 /// `tanh` values kept in `tanh` when given), ALiBi, and the mask on Partial tiles.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn score_tile(
+    isa: Isa,
     s: &mut [f32],
     ld: usize,
     (qk, q_scaled): (QkOperands<'_>, bool),
@@ -169,11 +171,11 @@ pub(super) fn score_tile(
                 s[r * ld + keys.end..r * ld + nc].fill(0.0);
             }
             if !keys.is_empty() {
-                qk.product(&mut s[p0 * ld + keys.start..], ld, p0, keys.start, (n, keys.len(), d));
+                qk.product(isa, &mut s[p0 * ld + keys.start..], ld, p0, keys.start, (n, keys.len(), d));
             }
         }
     } else {
-        qk.product(s, ld, 0, 0, (rows.len(), nc, d));
+        qk.product(isa, s, ld, 0, 0, (rows.len(), nc, d));
     }
     for (r, i) in rows.enumerate() {
         let row = &mut s[r * ld..r * ld + nc];

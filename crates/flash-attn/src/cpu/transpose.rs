@@ -5,23 +5,18 @@
 //! d = 128 the result (64 KB) does not fit L1: each store went to L2. A 16 × 16 block is read as
 //! 16 row vectors and written as 16 whole 64-byte lines.
 
-use super::gemm::{detect, Path};
-
-/// `dst[c][r] = src[r][c]` for a `rows × cols` tile (`src` rows of stride `ld_src`, `dst` rows of
-/// stride `ld_dst`).
-pub(super) fn transpose<E: Word>(dst: &mut [E], ld_dst: usize, src: &[E], ld_src: usize, rows: usize, cols: usize) {
-    transpose_with(detect(), dst, ld_dst, src, ld_src, rows, cols)
-}
+use super::isa::Isa;
 
 /// A 4-byte element the transpose moves as raw bits.
 pub(super) trait Word: Copy {}
 impl Word for f32 {}
 impl Word for u32 {}
 
-/// [`transpose`] on an explicit path (tests compare them); a path the CPU lacks falls back to the
-/// portable loop.
-pub(super) fn transpose_with<E: Word>(
-    path: Path,
+/// `dst[c][r] = src[r][c]` for a `rows × cols` tile (`src` rows of stride `ld_src`, `dst` rows of
+/// stride `ld_dst`), on the AVX-512 path when `isa` is it (pure data movement: every path gives
+/// the same bits); other paths run the portable loop.
+pub(super) fn transpose<E: Word>(
+    isa: Isa,
     dst: &mut [E],
     ld_dst: usize,
     src: &[E],
@@ -38,13 +33,13 @@ pub(super) fn transpose_with<E: Word>(
         "transpose: tile views out of bounds"
     );
     #[cfg(target_arch = "x86_64")]
-    if path == Path::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
+    if isa == Isa::Avx512 && Isa::Avx512.is_supported() {
         // SAFETY: AVX-512F is available (checked just above), `E` is 4 bytes (`Word` is only
         // implemented for f32 and u32) and the assert above bounds every access.
         unsafe { x86::transpose(dst.as_mut_ptr().cast(), ld_dst, src.as_ptr().cast(), ld_src, rows, cols) };
         return;
     }
-    let _ = path;
+    let _ = isa;
     for r in 0..rows {
         for (c, &x) in src[r * ld_src..r * ld_src + cols].iter().enumerate() {
             dst[c * ld_dst + r] = x;
@@ -137,9 +132,9 @@ mod tests {
         for (rows, cols) in [(1, 1), (16, 16), (17, 5), (128, 64), (33, 128), (100, 40), (3, 31)] {
             let (ld_src, ld_dst) = (cols + 3, rows + 5);
             let src: Vec<f32> = (0..rows * ld_src).map(|i| i as f32 * 0.5 - 7.0).collect();
-            for path in [Path::Avx512, Path::Portable] {
+            for path in Isa::available() {
                 let mut dst = vec![f32::NAN; cols * ld_dst];
-                transpose_with(path, &mut dst, ld_dst, &src, ld_src, rows, cols);
+                transpose(path, &mut dst, ld_dst, &src, ld_src, rows, cols);
                 for c in 0..cols {
                     for r in 0..rows {
                         assert_eq!(

@@ -7,22 +7,34 @@
 //! The AVX-512 path evaluates `2^x` as `2^n · 2^f` with `n = round(x)`, `f = x - n ∈ [-½, ½]`,
 //! and `2^f` by its degree-7 Taylor polynomial in `f · ln 2` (truncation error below 4.4e-9
 //! relative), then `vscalefps` for `2^n`, which also gives exact 0 for `x = -inf` (masked keys)
-//! and propagates NaN. Measured maximum relative error of the polynomial against `f64` over
-//! `[-126, 126]` (in base 2): see the test `avx512_exp2_is_within_two_ulps` (below 2.4e-7, two ulps
-//! of f32). The portable path uses
-//! the C library's `exp2f`.
+//! and propagates NaN. The AVX2 and NEON paths (`avx2.rs`, `neon.rs`) evaluate the same
+//! polynomial on 8 and 4 lanes, with `2^n` as two exponent-field multiplies (no `vscalefps`);
+//! their tails run the same operations under lane masks, so every element's value is the same
+//! wherever a tile boundary falls. Measured maximum relative error against `f64` over
+//! `[-126, 126]` (in base 2): see the test `simd_exp2_is_within_two_ulps` (below 2.4e-7, two ulps
+//! of f32). The portable path uses the C library's `exp2f`.
 
-use super::gemm::{bf16_pairs_fast, detect, Bf16Pair, Path};
+use super::gemm::Bf16Pair;
+use super::isa::Isa;
 use super::pairs::narrow_to_pairs;
 
 /// `max_j row[j]` (`-inf` for an empty row; NaN entries are ignored, as by `f32::max`).
 #[inline]
-pub fn row_max(row: &[f32]) -> f32 {
+pub fn row_max(isa: Isa, row: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if detect() == Path::Avx512 {
-        // SAFETY: AVX-512F is available (detected).
-        return unsafe { x86::row_max(row) };
+    match isa {
+        // SAFETY: AVX-512F is available (checked).
+        Isa::Avx512 if Isa::Avx512.is_supported() => return unsafe { x86::row_max(row) },
+        // SAFETY: AVX2 and FMA are available (checked).
+        Isa::Avx2 if Isa::Avx2.is_supported() => return unsafe { super::avx2::row_max(row) },
+        _ => {}
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon && Isa::Neon.is_supported() {
+        // SAFETY: NEON is available (checked).
+        return unsafe { super::neon::row_max(row) };
+    }
+    let _ = isa;
     row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
@@ -31,12 +43,21 @@ pub fn row_max(row: &[f32]) -> f32 {
 /// `row[j] - m`), so the softmax scale can wait until here instead of
 /// taking its own pass over the score tile.
 #[inline]
-pub fn exp_scaled_sub_sum(row: &mut [f32], scale: f32, m: f32) -> f32 {
+pub fn exp_scaled_sub_sum(isa: Isa, row: &mut [f32], scale: f32, m: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if detect() == Path::Avx512 {
-        // SAFETY: AVX-512F is available (detected).
-        return unsafe { x86::exp_scaled_sub_sum(row, scale, m) };
+    match isa {
+        // SAFETY: AVX-512F is available (checked).
+        Isa::Avx512 if Isa::Avx512.is_supported() => return unsafe { x86::exp_scaled_sub_sum(row, scale, m) },
+        // SAFETY: AVX2 and FMA are available (checked).
+        Isa::Avx2 if Isa::Avx2.is_supported() => return unsafe { super::avx2::exp_scaled_sub_sum(row, scale, m) },
+        _ => {}
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon && Isa::Neon.is_supported() {
+        // SAFETY: NEON is available (checked).
+        return unsafe { super::neon::exp_scaled_sub_sum(row, scale, m) };
+    }
+    let _ = isa;
     let mut sum = 0.0f32;
     for p in row.iter_mut() {
         *p = ((*p * scale - m) * std::f32::consts::LOG2_E).exp2();
@@ -50,15 +71,15 @@ pub fn exp_scaled_sub_sum(row: &mut [f32], scale: f32, m: f32) -> f32 {
 /// on AVX-512 BF16 the `f32` probabilities never leave the registers, which saves the pass of
 /// [`narrow_to_pairs`](super::pairs::narrow_to_pairs) over them. `row` may be clobbered. The sum
 /// and the pairs are bitwise those of the two passes.
-pub fn exp_scaled_sum_to_pairs(row: &mut [f32], scale: f32, m: f32, dst: &mut [Bf16Pair]) -> f32 {
+pub fn exp_scaled_sum_to_pairs(isa: Isa, row: &mut [f32], scale: f32, m: f32, dst: &mut [Bf16Pair]) -> f32 {
     assert!(dst.len() >= row.len().div_ceil(2), "exp_scaled_sum_to_pairs: destination too short");
     #[cfg(target_arch = "x86_64")]
-    if bf16_pairs_fast() {
+    if isa.bf16_pairs() {
         // SAFETY: AVX-512F and AVX-512 BF16 are available (checked); `dst` is long enough.
         return unsafe { x86::exp_scaled_sum_to_pairs(row, scale, m, dst) };
     }
-    let sum = exp_scaled_sub_sum(row, scale, m);
-    narrow_to_pairs(dst, row);
+    let sum = exp_scaled_sub_sum(isa, row, scale, m);
+    narrow_to_pairs(isa, dst, row);
     sum
 }
 
@@ -68,11 +89,17 @@ pub fn exp_scaled_sum_to_pairs(row: &mut [f32], scale: f32, m: f32, dst: &mut [B
 /// missing `hi`): the `A` operand of `dV += Pᵀ dO`, without a second pass over `P`. Bitwise the
 /// values of [`exp_scaled_sub_sum`] on each row followed by
 /// [`narrow_row_pairs`](super::pairs::narrow_row_pairs).
-pub fn exp_scaled_row_pairs(lo: (&mut [f32], f32), hi: Option<(&mut [f32], f32)>, scale: f32, dst: &mut [Bf16Pair]) {
+pub fn exp_scaled_row_pairs(
+    isa: Isa,
+    lo: (&mut [f32], f32),
+    hi: Option<(&mut [f32], f32)>,
+    scale: f32,
+    dst: &mut [Bf16Pair],
+) {
     let n = lo.0.len();
     assert!(dst.len() >= n && hi.as_ref().is_none_or(|h| h.0.len() == n), "exp_scaled_row_pairs: lengths");
     #[cfg(target_arch = "x86_64")]
-    if bf16_pairs_fast() {
+    if isa.bf16_pairs() {
         // SAFETY: AVX-512F and AVX-512 BF16 are available (checked); lengths checked above.
         return unsafe { x86::exp_scaled_row_pairs(lo, hi, scale, dst) };
     }
@@ -80,7 +107,7 @@ pub fn exp_scaled_row_pairs(lo: (&mut [f32], f32), hi: Option<(&mut [f32], f32)>
         if m == f32::NEG_INFINITY {
             row.fill(0.0);
         } else {
-            exp_scaled_sub_sum(row, scale, m);
+            exp_scaled_sub_sum(isa, row, scale, m);
         }
     };
     let (lo_row, lo_m) = lo;
@@ -88,9 +115,9 @@ pub fn exp_scaled_row_pairs(lo: (&mut [f32], f32), hi: Option<(&mut [f32], f32)>
     match hi {
         Some((hi_row, hi_m)) => {
             exp_row((&mut *hi_row, hi_m));
-            super::pairs::narrow_row_pairs(dst, lo_row, Some(hi_row));
+            super::pairs::narrow_row_pairs(isa, dst, lo_row, Some(hi_row));
         }
-        None => super::pairs::narrow_row_pairs(dst, lo_row, None),
+        None => super::pairs::narrow_row_pairs(isa, dst, lo_row, None),
     }
 }
 
@@ -309,96 +336,142 @@ mod tests {
     use super::*;
 
     #[test]
-    fn avx512_exp2_is_within_two_ulps() {
-        if detect() != Path::Avx512 {
-            eprintln!("skipped: no AVX-512 on this CPU");
-            return;
-        }
+    fn simd_exp2_is_within_two_ulps() {
         let xs: Vec<f32> = (0..200_000).map(|i| -87.0 + 175.0 * i as f32 / 200_000.0).collect();
-        let mut got = xs.clone();
-        exp_scaled_sub_sum(&mut got, 1.0, 0.0);
-        let worst = xs
-            .iter()
-            .zip(&got)
-            .map(|(&x, &g)| {
-                // The reference includes the f32 rounding of x · log2 e, which is part of the
-                // kernel's contract; the polynomial's own error is what is measured.
-                let want = ((x * std::f32::consts::LOG2_E) as f64).exp2();
-                (g as f64 - want).abs() / want
-            })
-            .fold(0.0f64, f64::max);
-        assert!(worst < 2.4e-7, "max relative error {worst:e}");
+        for isa in Isa::available().into_iter().filter(|&isa| isa != Isa::Portable) {
+            let mut got = xs.clone();
+            exp_scaled_sub_sum(isa, &mut got, 1.0, 0.0);
+            let worst = xs
+                .iter()
+                .zip(&got)
+                .map(|(&x, &g)| {
+                    // The reference includes the f32 rounding of x · log2 e, which is part of the
+                    // kernel's contract; the polynomial's own error is what is measured.
+                    let want = ((x * std::f32::consts::LOG2_E) as f64).exp2();
+                    (g as f64 - want).abs() / want
+                })
+                .fold(0.0f64, f64::max);
+            assert!(worst < 2.4e-7, "{isa}: max relative error {worst:e}");
+        }
     }
 
     #[test]
     fn exp2_of_minus_infinity_is_zero_and_nan_propagates() {
-        let mut row = [f32::NEG_INFINITY, 0.0, f32::NAN, -1.0, f32::NEG_INFINITY];
-        let sum = exp_scaled_sub_sum(&mut row, 1.0, 0.0);
-        assert_eq!(row[0], 0.0);
-        assert_eq!(row[4], 0.0);
-        assert!(row[2].is_nan() && sum.is_nan());
-        assert!((row[1] - 1.0).abs() < 1e-7 && (row[3] - (-1.0f32).exp()).abs() < 1e-7);
+        for isa in Isa::available() {
+            for n in [5usize, 13, 40] {
+                let mut row: Vec<f32> = (0..n)
+                    .map(|i| match i % 5 {
+                        0 | 4 => f32::NEG_INFINITY,
+                        2 => f32::NAN,
+                        1 => 0.0,
+                        _ => -1.0,
+                    })
+                    .collect();
+                // Far below the range of f32: exactly zero as well.
+                row[n - 1] = -200.0;
+                let sum = exp_scaled_sub_sum(isa, &mut row, 1.0, 0.0);
+                for (i, &x) in row.iter().enumerate() {
+                    match i % 5 {
+                        _ if i == n - 1 => assert_eq!(x.to_bits(), 0, "{isa} [{i}]"),
+                        0 | 4 => assert_eq!(x.to_bits(), 0, "{isa} [{i}]"),
+                        2 => assert!(x.is_nan(), "{isa} [{i}]"),
+                        1 => assert!((x - 1.0).abs() < 1e-7, "{isa} [{i}]"),
+                        _ => assert!((x - (-1.0f32).exp()).abs() < 1e-7, "{isa} [{i}]"),
+                    }
+                }
+                assert!(sum.is_nan(), "{isa}");
+            }
+        }
     }
 
     #[test]
     fn row_max_matches_the_scalar_fold_on_every_length() {
-        for n in 0..40 {
-            let row: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
-            assert_eq!(row_max(&row), row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+        for isa in Isa::available() {
+            for n in 0..40 {
+                let mut row: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
+                assert_eq!(row_max(isa, &row), row.iter().copied().fold(f32::NEG_INFINITY, f32::max), "{isa} {n}");
+                if n > 3 {
+                    // NaN entries are ignored, wherever they fall.
+                    row[n - 2] = f32::NAN;
+                    row[1] = f32::NAN;
+                    assert_eq!(row_max(isa, &row), row.iter().copied().fold(f32::NEG_INFINITY, f32::max), "{isa} {n}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_element_gets_the_same_bits_wherever_its_row_starts() {
+        // The same values at every offset within a row: the value of each (not the sum) must not
+        // depend on which lanes of a vector, or which tail, it falls in.
+        let vals: Vec<f32> = (0..70).map(|i| (i as f32 * 0.613).sin() * 11.0).collect();
+        for isa in Isa::available() {
+            let mut whole = vals.clone();
+            exp_scaled_sub_sum(isa, &mut whole, 0.37, 1.5);
+            for start in 1..20 {
+                for len in [1usize, 3, 7, 8, 9, 17, 33] {
+                    let end = (start + len).min(vals.len());
+                    let mut part = vals[start..end].to_vec();
+                    exp_scaled_sub_sum(isa, &mut part, 0.37, 1.5);
+                    for (k, (&a, &b)) in part.iter().zip(&whole[start..end]).enumerate() {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{isa} start {start} len {len} [{k}]");
+                    }
+                }
+            }
         }
     }
 
     #[test]
     fn fused_pairs_equal_exp_then_narrow() {
-        for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 77, 128] {
-            let row: Vec<f32> =
-                (0..n).map(|i| if i % 7 == 3 { f32::NEG_INFINITY } else { (i as f32 * 0.37).sin() * 9.0 }).collect();
-            let (scale, m) = (0.125f32, 1.0f32);
-            let mut two = row.clone();
-            let sum_two = exp_scaled_sub_sum(&mut two, scale, m);
-            let mut want = vec![0u32; n.div_ceil(2)];
-            narrow_to_pairs(&mut want, &two);
-            let mut got = vec![u32::MAX; n.div_ceil(2) + 1];
-            let sum = exp_scaled_sum_to_pairs(&mut row.clone(), scale, m, &mut got);
-            assert_eq!(sum.to_bits(), sum_two.to_bits(), "n = {n}");
-            assert_eq!(&got[..n.div_ceil(2)], &want[..], "n = {n}");
-            assert_eq!(got[n.div_ceil(2)], u32::MAX, "wrote past the pairs, n = {n}");
+        for isa in Isa::available() {
+            for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 77, 128] {
+                let row: Vec<f32> = (0..n)
+                    .map(|i| if i % 7 == 3 { f32::NEG_INFINITY } else { (i as f32 * 0.37).sin() * 9.0 })
+                    .collect();
+                let (scale, m) = (0.125f32, 1.0f32);
+                let mut two = row.clone();
+                let sum_two = exp_scaled_sub_sum(isa, &mut two, scale, m);
+                let mut want = vec![0u32; n.div_ceil(2)];
+                narrow_to_pairs(isa, &mut want, &two);
+                let mut got = vec![u32::MAX; n.div_ceil(2) + 1];
+                let sum = exp_scaled_sum_to_pairs(isa, &mut row.clone(), scale, m, &mut got);
+                assert_eq!(sum.to_bits(), sum_two.to_bits(), "{isa} n = {n}");
+                assert_eq!(&got[..n.div_ceil(2)], &want[..], "{isa} n = {n}");
+                assert_eq!(got[n.div_ceil(2)], u32::MAX, "{isa}: wrote past the pairs, n = {n}");
+            }
         }
     }
 
     #[test]
     fn fused_row_pairs_equal_exp_then_narrow_rows() {
-        for n in [1usize, 15, 16, 17, 32, 33, 77, 128] {
-            let make = |k: f32| -> Vec<f32> {
-                (0..n).map(|i| if i % 5 == 2 { f32::NEG_INFINITY } else { (i as f32 * k).sin() * 7.0 }).collect()
-            };
-            let (scale, m_lo) = (0.17f32, 0.5f32);
-            for m_hi in [Some(-0.25f32), Some(f32::NEG_INFINITY), None] {
-                let (mut lo_want, mut hi_want) = (make(0.37), make(0.71));
-                exp_scaled_sub_sum(&mut lo_want, scale, m_lo);
-                match m_hi {
-                    Some(m) if m == f32::NEG_INFINITY => hi_want.fill(0.0),
-                    Some(m) => {
-                        exp_scaled_sub_sum(&mut hi_want, scale, m);
+        for isa in Isa::available() {
+            for n in [1usize, 15, 16, 17, 32, 33, 77, 128] {
+                let make = |k: f32| -> Vec<f32> {
+                    (0..n).map(|i| if i % 5 == 2 { f32::NEG_INFINITY } else { (i as f32 * k).sin() * 7.0 }).collect()
+                };
+                let (scale, m_lo) = (0.17f32, 0.5f32);
+                for m_hi in [Some(-0.25f32), Some(f32::NEG_INFINITY), None] {
+                    let (mut lo_want, mut hi_want) = (make(0.37), make(0.71));
+                    exp_scaled_sub_sum(isa, &mut lo_want, scale, m_lo);
+                    match m_hi {
+                        Some(m) if m == f32::NEG_INFINITY => hi_want.fill(0.0),
+                        Some(m) => {
+                            exp_scaled_sub_sum(isa, &mut hi_want, scale, m);
+                        }
+                        None => {}
                     }
-                    None => {}
-                }
-                let mut want = vec![0u32; n];
-                super::super::pairs::narrow_row_pairs(&mut want, &lo_want, m_hi.map(|_| &hi_want[..]));
-                let (mut lo, mut hi) = (make(0.37), make(0.71));
-                let mut got = vec![u32::MAX; n + 1];
-                exp_scaled_row_pairs((&mut lo, m_lo), m_hi.map(|m| (&mut hi[..], m)), scale, &mut got);
-                assert_eq!(&got[..n], &want[..], "n = {n}, m_hi = {m_hi:?}");
-                assert_eq!(got[n], u32::MAX, "wrote past the row, n = {n}");
-                assert_eq!(
-                    lo.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    lo_want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-                );
-                if m_hi.is_some() {
-                    assert_eq!(
-                        hi.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                        hi_want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-                    );
+                    let mut want = vec![0u32; n];
+                    super::super::pairs::narrow_row_pairs(isa, &mut want, &lo_want, m_hi.map(|_| &hi_want[..]));
+                    let (mut lo, mut hi) = (make(0.37), make(0.71));
+                    let mut got = vec![u32::MAX; n + 1];
+                    exp_scaled_row_pairs(isa, (&mut lo, m_lo), m_hi.map(|m| (&mut hi[..], m)), scale, &mut got);
+                    assert_eq!(&got[..n], &want[..], "{isa} n = {n}, m_hi = {m_hi:?}");
+                    assert_eq!(got[n], u32::MAX, "{isa}: wrote past the row, n = {n}");
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&lo), bits(&lo_want), "{isa} n = {n}");
+                    if m_hi.is_some() {
+                        assert_eq!(bits(&hi), bits(&hi_want), "{isa} n = {n}");
+                    }
                 }
             }
         }

@@ -32,6 +32,57 @@ macro_rules! with_dtype {
     };
 }
 
+/// The items `$body` once per CPU instruction-set path this target can have, each copy in a
+/// module named after the path (`portable`, `avx2`, `avx512` on x86-64; `portable`, `neon` on
+/// aarch64) with `ISA` bound to it, so that the log names every test of every path. A copy whose
+/// path this CPU lacks (or `FLASH_ATTN_CPU_ISA` caps) skips its tests with a message: use
+/// [`on_isa`] to attach the path to a case.
+#[macro_export]
+macro_rules! for_each_isa {
+    ($($body:tt)*) => {
+        mod portable {
+            #[allow(unused_imports)]
+            use super::*;
+            const ISA: flash_attn::cpu::Isa = flash_attn::cpu::Isa::Portable;
+            $($body)*
+        }
+        #[cfg(target_arch = "x86_64")]
+        mod avx2 {
+            #[allow(unused_imports)]
+            use super::*;
+            const ISA: flash_attn::cpu::Isa = flash_attn::cpu::Isa::Avx2;
+            $($body)*
+        }
+        #[cfg(target_arch = "x86_64")]
+        mod avx512 {
+            #[allow(unused_imports)]
+            use super::*;
+            const ISA: flash_attn::cpu::Isa = flash_attn::cpu::Isa::Avx512;
+            $($body)*
+        }
+        #[cfg(target_arch = "aarch64")]
+        mod neon {
+            #[allow(unused_imports)]
+            use super::*;
+            const ISA: flash_attn::cpu::Isa = flash_attn::cpu::Isa::Neon;
+            $($body)*
+        }
+    };
+}
+
+/// `case` on path `isa`, or `None` (after saying so once per test) when this CPU lacks the path
+/// or `FLASH_ATTN_CPU_ISA` caps it.
+pub fn on_isa(isa: flash_attn::cpu::Isa, case: Case) -> Option<Case> {
+    if flash_attn::cpu::Isa::available().contains(&isa) {
+        return Some(Case { isa: Some(isa), ..case });
+    }
+    thread_local!(static SAID: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+    if !SAID.with(|s| s.replace(true)) {
+        eprintln!("skipped: the {isa} path is not available here (CPU or FLASH_ATTN_CPU_ISA)");
+    }
+    None
+}
+
 /// `cases` random cases, or `$PROPTEST_CASES` when set (for long soak runs).
 pub fn config(cases: u32) -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(cases);
@@ -157,6 +208,7 @@ pub fn make_case(
         block: o.block,
         storage,
         seed,
+        isa: None,
     }
 }
 
@@ -203,6 +255,7 @@ pub fn plain(dtype: DType, b: usize, (sq, sk): (usize, usize), (hq, hk): (usize,
         block: None,
         storage: Storage::Contiguous,
         seed: 0x5eed ^ (b * 1000 + sq * 100 + sk * 10 + d) as u64,
+        isa: None,
     }
 }
 

@@ -1,0 +1,216 @@
+//! aarch64 Advanced SIMD (NEON) micro-kernels: the f32 GEMM of `gemm.rs` (8 rows × 8 columns of
+//! accumulators, 16 of the 32 vector registers) and the online softmax's row kernels of
+//! `vexp.rs` (the AVX-512 path's `2^x` polynomial on 4 lanes).
+//!
+//! Tails run the same operations as the vector body (the GEMM's last `n mod 8` columns as scalar
+//! fused multiply-adds, which round exactly as a vector lane's; a row's last `n mod 4` scores
+//! through a zero-padded vector), so an element's value never depends on where a tile or row
+//! boundary falls.
+
+use std::arch::aarch64::*;
+
+/// Rows of `C` per micro-tile.
+const MR: usize = 8;
+
+/// `C[m × n] (+)= A · B` (`A` stored transposed when `TA`), as [`super::gemm::gemm_with`].
+///
+/// # Safety
+/// NEON available; all accesses in bounds (`gemm_with` asserts it).
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm<const TA: bool>(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    let n8 = n / 8 * 8;
+    let (cp, ap, bp) = (c.as_mut_ptr(), a.as_ptr(), b.as_ptr());
+    let mut i = 0;
+    while i < m {
+        let rows = (m - i).min(MR);
+        let mut j = 0;
+        while j < n8 {
+            // SAFETY: forwarded from the caller; rows <= MR, columns j..j+8 <= n.
+            unsafe {
+                match rows {
+                    8 => tile::<8, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    7 => tile::<7, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    6 => tile::<6, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    5 => tile::<5, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    4 => tile::<4, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    3 => tile::<3, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    2 => tile::<2, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                    _ => tile::<1, TA>(cp, ldc, ap, lda, bp, ldb, i, j, k, accumulate),
+                }
+            }
+            j += 8;
+        }
+        i += rows;
+    }
+    // Column tail: each element the vector lanes' chain (fused multiply-adds from zero, then C).
+    for i in 0..m {
+        for jj in n8..n {
+            let mut s = 0.0f32;
+            for p in 0..k {
+                s = a[super::gemm::a_index::<TA>(i, p, lda)].mul_add(b[p * ldb + jj], s);
+            }
+            let cij = &mut c[i * ldc + jj];
+            *cij = if accumulate { s + *cij } else { s };
+        }
+    }
+}
+
+/// One `R × 8` micro-tile at `(i, j)`.
+///
+/// # Safety
+/// NEON available; rows `i..i+R`, columns `j..j+8` and `k` in bounds.
+#[target_feature(enable = "neon")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<const R: usize, const TA: bool>(
+    c: *mut f32,
+    ldc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    i: usize,
+    j: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    // SAFETY (whole body): offsets stay within the views the caller bounded.
+    unsafe {
+        let mut acc = [[vdupq_n_f32(0.0); 2]; R];
+        for p in 0..k {
+            let brow = b.add(p * ldb + j);
+            let (b0, b1) = (vld1q_f32(brow), vld1q_f32(brow.add(4)));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let av = *a.add(super::gemm::a_index::<TA>(i + r, p, lda));
+                acc_r[0] = vfmaq_n_f32(acc_r[0], b0, av);
+                acc_r[1] = vfmaq_n_f32(acc_r[1], b1, av);
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            let crow = c.add((i + r) * ldc + j);
+            let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
+            if accumulate {
+                c0 = vaddq_f32(c0, vld1q_f32(crow));
+                c1 = vaddq_f32(c1, vld1q_f32(crow.add(4)));
+            }
+            vst1q_f32(crow, c0);
+            vst1q_f32(crow.add(4), c1);
+        }
+    }
+}
+
+/// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)` (as on AVX-512).
+const C: [f32; 8] = [
+    1.0,
+    std::f32::consts::LN_2,
+    0.240_226_5,
+    0.055_504_11,
+    0.009_618_129,
+    0.001_333_355_8,
+    0.000_154_035_3,
+    0.000_015_252_73,
+];
+
+/// `2^x` for 4 lanes: `2^n · 2^f`, `n = round(x)`, the degree-7 polynomial for `2^f`, and `2^n`
+/// as two multiplies by powers of two (`x` down to -160, `-inf` included, gives exactly 0; NaN
+/// propagates: `fmax`/`fmin` return NaN).
+///
+/// # Safety
+/// NEON available.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn exp2(x: float32x4_t) -> float32x4_t {
+    let x = vminq_f32(vdupq_n_f32(128.0), vmaxq_f32(vdupq_n_f32(-160.0), x));
+    let n = vrndnq_f32(x);
+    let f = vsubq_f32(x, n);
+    let mut p = vdupq_n_f32(C[7]);
+    for &c in C[..7].iter().rev() {
+        p = vfmaq_f32(vdupq_n_f32(c), p, f);
+    }
+    let ni = vcvtq_s32_f32(n);
+    let n1 = vshrq_n_s32::<1>(ni);
+    let n2 = vsubq_s32(ni, n1);
+    let pow = |e: int32x4_t| vreinterpretq_f32_s32(vshlq_n_s32::<23>(vaddq_s32(e, vdupq_n_s32(127))));
+    vmulq_f32(vmulq_f32(p, pow(n1)), pow(n2))
+}
+
+/// `2^((scale · x - m) · log2 e)` for 4 lanes, the difference one fused multiply-subtract.
+///
+/// # Safety
+/// NEON available.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn exp_scaled(x: float32x4_t, sv: float32x4_t, mv: float32x4_t) -> float32x4_t {
+    // x · s - m = -(m - x · s), one rounding.
+    let diff = vnegq_f32(vfmsq_f32(mv, x, sv));
+    exp2(vmulq_f32(diff, vdupq_n_f32(std::f32::consts::LOG2_E)))
+}
+
+/// `max_j row[j]`, `-inf` for an empty row, NaN entries ignored (as by `f32::max`).
+///
+/// # Safety
+/// NEON available.
+#[target_feature(enable = "neon")]
+pub unsafe fn row_max(row: &[f32]) -> f32 {
+    let mut acc = vdupq_n_f32(f32::NEG_INFINITY);
+    let chunks = row.chunks_exact(4);
+    let tail = chunks.remainder();
+    for c in chunks {
+        // SAFETY: `c` holds 4 floats. `fmaxnm` returns the number when one operand is NaN.
+        acc = vmaxnmq_f32(acc, unsafe { vld1q_f32(c.as_ptr()) });
+    }
+    tail.iter().copied().fold(vmaxnmvq_f32(acc), f32::max)
+}
+
+/// `row[j] = 2^((scale · row[j] - m) · log2 e)`; returns the row's sum, added lane-wise in order,
+/// then across lanes.
+///
+/// # Safety
+/// NEON available.
+#[target_feature(enable = "neon")]
+pub unsafe fn exp_scaled_sub_sum(row: &mut [f32], scale: f32, m: f32) -> f32 {
+    let (sv, mv) = (vdupq_n_f32(scale), vdupq_n_f32(m));
+    let n = row.len();
+    let ptr = row.as_mut_ptr();
+    let mut sum = vdupq_n_f32(0.0);
+    let mut j = 0;
+    while j + 4 <= n {
+        // SAFETY: `j + 4 <= n`.
+        unsafe {
+            let p = exp_scaled(vld1q_f32(ptr.add(j)), sv, mv);
+            vst1q_f32(ptr.add(j), p);
+            sum = vaddq_f32(sum, p);
+        }
+        j += 4;
+    }
+    if j < n {
+        // The tail through a zero-padded vector; its padding lanes add exact zeros.
+        let w = n - j;
+        let mut buf = [0.0f32; 4];
+        buf[..w].copy_from_slice(&row[j..]);
+        // SAFETY: `buf` holds 4 floats.
+        unsafe {
+            let p = exp_scaled(vld1q_f32(buf.as_ptr()), sv, mv);
+            vst1q_f32(buf.as_mut_ptr(), p);
+        }
+        buf[w..].fill(0.0);
+        row[j..].copy_from_slice(&buf[..w]);
+        // SAFETY: `buf` holds 4 floats.
+        sum = vaddq_f32(sum, unsafe { vld1q_f32(buf.as_ptr()) });
+    }
+    let lanes =
+        [vgetq_lane_f32::<0>(sum), vgetq_lane_f32::<1>(sum), vgetq_lane_f32::<2>(sum), vgetq_lane_f32::<3>(sum)];
+    (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+}
