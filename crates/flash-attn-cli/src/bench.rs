@@ -90,6 +90,11 @@ pub struct BenchArgs {
     #[arg(long)]
     json: bool,
 
+    /// The f32 fused multiply-add rate of all threads on the CPU path in use (register-only
+    /// loop): the peak to read the CPU's GFLOP/s against.
+    #[arg(long, conflicts_with_all = ["shape", "json", "memory", "plot", "backward"])]
+    fma_peak: bool,
+
     /// The memory table: our forward next to Algorithm 0, d = 64, one head, f32, N = 1k..64k.
     #[arg(long, conflicts_with_all = ["shape", "json", "dtype", "causal", "backward"])]
     memory: bool,
@@ -323,6 +328,12 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     }
     let gpu_name = args.device.ensure_available()?;
     let isa = if cuda { None } else { Some(flash_attn::cpu::Isa::default_for_process()?) };
+    if let (Some(isa), true) = (isa, args.fma_peak) {
+        let gflops = flash_attn::cpu::peak::fma_gflops(isa, 3);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        println!("f32 FMA peak, {isa} path, {threads} threads: {gflops:.1} GFLOP/s");
+        return Ok(ExitCode::SUCCESS);
+    }
     if !cuda {
         warm_up()?;
     }

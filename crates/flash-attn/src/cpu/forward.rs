@@ -283,7 +283,11 @@ impl<T: Element> Context<'_, T> {
                         narrow_to_pairs(self.isa, &mut pt.p[r * ldp..], &sc.s[r * bc..r * bc + nc]);
                     }
                 }
-                if class == TileClass::Full {
+                // On AMX, Partial tiles too: the masked probabilities are exact zeros, and a panel's
+                // key range would start the 16-pair blocks of `k` at another key (the instruction
+                // sums a block's pairs in an order of its own, so blocks must always start at the
+                // same keys).
+                if class == TileClass::Full || self.isa.amx() {
                     gemm_bf16(self.isa, &mut sc.o, dv, &pt.p, ldp, v, dv, (nr, dv, nc.div_ceil(2)), true);
                 } else {
                     // Panel by panel as below; a panel's keys widened to whole pairs (the extra

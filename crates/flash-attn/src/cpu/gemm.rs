@@ -80,7 +80,7 @@ pub fn gemm_with(
     #[cfg(target_arch = "x86_64")]
     {
         match isa {
-            Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
+            _ if isa.avx512() => {
                 // SAFETY: the CPU supports AVX-512F (checked just above) and the assert above
                 // bounds every access the kernel makes.
                 return unsafe {
@@ -140,7 +140,7 @@ pub fn gemm_bf16(
     (m, n, kp): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_bf16_with(isa.bf16_pairs(), c, ldc, a, lda, false, b, ldb, (m, n, kp), accumulate)
+    gemm_bf16_with(isa, c, ldc, a, lda, false, b, ldb, (m, n, kp), accumulate)
 }
 
 /// [`gemm_bf16`] with `A` stored transposed: `a[p · lda + i]` holds `A[i][2p], A[i][2p + 1]`
@@ -158,14 +158,15 @@ pub fn gemm_bf16_ta(
     (m, n, kp): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_bf16_with(isa.bf16_pairs(), c, ldc, a, lda, true, b, ldb, (m, n, kp), accumulate)
+    gemm_bf16_with(isa, c, ldc, a, lda, true, b, ldb, (m, n, kp), accumulate)
 }
 
-/// [`gemm_bf16`] / [`gemm_bf16_ta`] with the AVX-512 BF16 path on or off (tests compare them);
-/// `fast` on a CPU without it falls back to the portable loop.
+/// [`gemm_bf16`] (`trans_a = false`) or [`gemm_bf16_ta`]: on AMX tiles for [`Isa::Amx`], on
+/// AVX-512 BF16 where [`Isa::bf16_pairs`] holds, otherwise (or on a CPU without them) the
+/// portable loop.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_with(
-    fast: bool,
+    isa: Isa,
     c: &mut [f32],
     ldc: usize,
     a: &[Bf16Pair],
@@ -188,7 +189,19 @@ pub fn gemm_bf16_with(
         "gemm_bf16: tile views out of bounds"
     );
     #[cfg(target_arch = "x86_64")]
-    if fast && Isa::Avx512.bf16_pairs() {
+    if isa.amx() {
+        // SAFETY: AMX is available and permitted, with AVX-512F (`Isa::amx` checked both), and
+        // the assert above bounds every access the kernel makes.
+        return unsafe {
+            if trans_a {
+                super::amx::gemm_bf16::<true>(c, ldc, a, lda, b, ldb, m, n, kp, accumulate)
+            } else {
+                super::amx::gemm_bf16::<false>(c, ldc, a, lda, b, ldb, m, n, kp, accumulate)
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.bf16_pairs() {
         // SAFETY: the CPU supports AVX-512F and AVX-512 BF16 (checked just above) and the assert
         // above bounds every access the kernel makes.
         return unsafe {
@@ -199,7 +212,7 @@ pub fn gemm_bf16_with(
             }
         };
     }
-    let _ = fast;
+    let _ = isa;
     let widen = |w: Bf16Pair| (f32::from_bits(w << 16), f32::from_bits(w & 0xFFFF_0000));
     for i in 0..m {
         let ci = &mut c[i * ldc..i * ldc + n];
@@ -699,7 +712,9 @@ mod tests {
             let b: Vec<u32> = (0..kp * n).map(|_| bf16(&mut rng) | bf16(&mut rng) << 16).collect();
             let init: Vec<f32> = (0..m * n).map(|x| x as f32 * 0.25).collect();
             let at: Vec<u32> = (0..kp * m).map(|idx| a[(idx % m) * kp + idx / m]).collect();
-            for (fast, accumulate, trans_a) in (0..8).map(|x| (x & 1 != 0, x & 2 != 0, x & 4 != 0)) {
+            for (fast, accumulate, trans_a) in
+                Isa::available().into_iter().flat_map(|isa| (0..4).map(move |x| (isa, x & 1 != 0, x & 2 != 0)))
+            {
                 let mut c = init.clone();
                 let (a_op, lda) = if trans_a { (&at, m) } else { (&a, kp) };
                 gemm_bf16_with(fast, &mut c, n, a_op, lda, trans_a, &b, n, (m, n, kp), accumulate);
@@ -756,6 +771,44 @@ mod tests {
                             (rows, cols, k),
                             accumulate,
                         );
+                        for i in r0..r0 + rows {
+                            for j in c0..c0 + cols {
+                                assert_eq!(
+                                    part[i * n + j].to_bits(),
+                                    whole[i * n + j].to_bits(),
+                                    "{isa} acc={accumulate} ta={trans_a} tile at ({r0}, {c0}): [{i}, {j}]"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`an_element_gets_the_same_bits_wherever_its_tile_starts`] for the `bf16` pair products
+    /// (AVX-512 BF16 and AMX tiles, whose edge blocks are zero-padded).
+    #[test]
+    fn a_bf16_element_gets_the_same_bits_wherever_its_tile_starts() {
+        let mut rng = crate::check::Rng::new(17);
+        let bf16 = |rng: &mut crate::check::Rng| half::bf16::from_f64(rng.normal()).to_bits() as u32;
+        let (m, n, kp) = (37, 45, 40);
+        let a: Vec<u32> = (0..m * kp).map(|_| bf16(&mut rng) | bf16(&mut rng) << 16).collect();
+        let at: Vec<u32> = (0..kp * m).map(|idx| a[(idx % m) * kp + idx / m]).collect();
+        let b: Vec<u32> = (0..kp * n).map(|_| bf16(&mut rng) | bf16(&mut rng) << 16).collect();
+        let init: Vec<f32> = (0..m * n).map(|_| rng.normal() as f32).collect();
+        for isa in Isa::available() {
+            for (accumulate, trans_a) in [(false, false), (true, false), (false, true), (true, true)] {
+                let (a_op, lda) = if trans_a { (&at, m) } else { (&a, kp) };
+                let mut whole = init.clone();
+                gemm_bf16_with(isa, &mut whole, n, a_op, lda, trans_a, &b, n, (m, n, kp), accumulate);
+                for (r0, c0) in [(0, 1), (3, 5), (16, 17), (1, 31), (20, 40), (36, 0)] {
+                    for (rows, cols) in [(1, 1), (5, 9), (17, 16), (32, 33)] {
+                        let (rows, cols) = (rows.min(m - r0), cols.min(n - c0));
+                        let mut part = init.clone();
+                        let a_view = if trans_a { &at[r0..] } else { &a[r0 * kp..] };
+                        let dst = &mut part[r0 * n + c0..];
+                        gemm_bf16_with(isa, dst, n, a_view, lda, trans_a, &b[c0..], n, (rows, cols, kp), accumulate);
                         for i in r0..r0 + rows {
                             for j in c0..c0 + cols {
                                 assert_eq!(

@@ -8,7 +8,7 @@
 //! the reference every SIMD path is tested against.
 //!
 //! The process default is the best path the CPU supports, capped by the environment variable
-//! `FLASH_ATTN_CPU_ISA` (`portable`, `avx2`, `avx512`, `neon`). The variable is a cap, never a
+//! `FLASH_ATTN_CPU_ISA` (`portable`, `avx2`, `avx512`, `amx`, `neon`). The variable is a cap, never a
 //! request for an instruction set the CPU lacks: naming one the CPU cannot run (or an unknown
 //! name) makes every CPU call fail with [`Error::CpuIsa`], rather than silently running
 //! something else.
@@ -35,13 +35,16 @@ pub enum Isa {
     /// x86-64 AVX-512F (16 lanes, 32 zmm registers), with AVX-512 BF16 products where the CPU
     /// has them.
     Avx512,
+    /// The AVX-512 path with the `bf16` products on AMX tiles (`tdpbf16ps`, Sapphire Rapids and
+    /// later; the Linux permission to use tile data is requested once per process).
+    Amx,
     /// aarch64 Advanced SIMD (NEON; 4 lanes, 32 registers).
     Neon,
 }
 
 impl Isa {
     /// Every path, portable first.
-    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Neon];
+    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Amx, Isa::Neon];
 
     /// The name `FLASH_ATTN_CPU_ISA` uses for this path.
     pub fn name(self) -> &'static str {
@@ -49,6 +52,7 @@ impl Isa {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Amx => "amx",
             Isa::Neon => "neon",
         }
     }
@@ -66,6 +70,12 @@ impl Isa {
             Isa::Avx2 => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Amx => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bf16")
+                    && super::amx::available()
+            }
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
@@ -73,15 +83,24 @@ impl Isa {
         }
     }
 
-    /// Whether `self` is `cap` or a path below it (`portable` < `avx2` < `avx512`;
+    /// Whether `self` is `cap` or a path below it (`portable` < `avx2` < `avx512` < `amx`;
     /// `portable` < `neon`).
     pub fn is_within(self, cap: Isa) -> bool {
-        self == cap || self == Isa::Portable || (self == Isa::Avx2 && cap == Isa::Avx512)
+        let x86 = |isa: Isa| match isa {
+            Isa::Avx2 => Some(1),
+            Isa::Avx512 => Some(2),
+            Isa::Amx => Some(3),
+            Isa::Portable | Isa::Neon => None,
+        };
+        self == cap || self == Isa::Portable || matches!((x86(self), x86(cap)), (Some(a), Some(b)) if a <= b)
     }
 
     /// The best path this CPU supports, ignoring `FLASH_ATTN_CPU_ISA`.
     pub fn best() -> Isa {
-        [Isa::Avx512, Isa::Avx2, Isa::Neon].into_iter().find(|isa| isa.is_supported()).unwrap_or(Isa::Portable)
+        [Isa::Amx, Isa::Avx512, Isa::Avx2, Isa::Neon]
+            .into_iter()
+            .find(|isa| isa.is_supported())
+            .unwrap_or(Isa::Portable)
     }
 
     /// The process default: [`Isa::best`] capped by `FLASH_ATTN_CPU_ISA` (read once per process).
@@ -96,7 +115,7 @@ impl Isa {
         let Some(value) = cap.filter(|v| !v.trim().is_empty()) else { return Ok(Isa::best()) };
         let isa = Isa::from_name(value).ok_or_else(|| {
             Error::CpuIsa(format!(
-                "{ENV_VAR}={value:?} names no CPU path; use one of portable, avx2, avx512, neon (this CPU supports {})",
+                "{ENV_VAR}={value:?} names no CPU path; use one of portable, avx2, avx512, amx, neon (this CPU supports {})",
                 Isa::names(&Isa::supported())
             ))
         })?;
@@ -112,7 +131,10 @@ impl Isa {
 
     /// The paths this CPU supports, best first.
     pub fn supported() -> Vec<Isa> {
-        [Isa::Avx512, Isa::Avx2, Isa::Neon, Isa::Portable].into_iter().filter(|isa| isa.is_supported()).collect()
+        [Isa::Amx, Isa::Avx512, Isa::Avx2, Isa::Neon, Isa::Portable]
+            .into_iter()
+            .filter(|isa| isa.is_supported())
+            .collect()
     }
 
     /// The paths a call may request here: supported by the CPU and within the process cap, best
@@ -146,14 +168,29 @@ impl Isa {
         Ok(isa)
     }
 
-    /// Whether the `bf16` products run on AVX-512 BF16's `vdpbf16ps` on this path (otherwise
-    /// `bf16` inputs are widened to `f32`).
+    /// Whether the `bf16` products run on `bf16` pairs on this path (AVX-512 BF16's
+    /// `vdpbf16ps`, or AMX tiles); otherwise `bf16` inputs are widened to `f32`.
     pub fn bf16_pairs(self) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self == Isa::Avx512 {
-            return std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16");
+        if self.avx512() {
+            return std::arch::is_x86_feature_detected!("avx512bf16");
         }
         false
+    }
+
+    /// Whether this path runs the AVX-512 kernels (`avx512`, or `amx` for all but the `bf16`
+    /// products) and the CPU has AVX-512F.
+    pub fn avx512(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self, Isa::Avx512 | Isa::Amx) {
+            return std::arch::is_x86_feature_detected!("avx512f");
+        }
+        false
+    }
+
+    /// Whether the `bf16` products run on AMX tiles on this path.
+    pub fn amx(self) -> bool {
+        self == Isa::Amx && self.is_supported()
     }
 
     fn names(list: &[Isa]) -> String {
@@ -217,5 +254,7 @@ mod tests {
         assert!(!Isa::Avx512.is_within(Isa::Avx2));
         assert!(!Isa::Neon.is_within(Isa::Avx512));
         assert!(!Isa::Avx2.is_within(Isa::Portable));
+        assert!(Isa::Avx512.is_within(Isa::Amx) && Isa::Avx2.is_within(Isa::Amx));
+        assert!(!Isa::Amx.is_within(Isa::Avx512) && !Isa::Neon.is_within(Isa::Amx));
     }
 }

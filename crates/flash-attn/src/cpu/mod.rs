@@ -12,11 +12,14 @@ pub mod gemm;
 pub mod isa;
 mod lanes;
 mod pairs;
+pub mod peak;
 mod softmax;
 mod tile;
 mod transpose;
 mod vexp;
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "aarch64")]

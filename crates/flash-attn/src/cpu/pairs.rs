@@ -184,6 +184,7 @@ pub(super) fn narrow_to_pairs(isa: Isa, dst: &mut [Bf16Pair], src: &[f32]) {
         // SAFETY: AVX-512F and AVX-512 BF16 are available (checked above); lengths checked.
         return unsafe { x86::narrow_to_pairs(dst, src) };
     }
+    let _ = isa;
     for (p, w) in dst[..src.len().div_ceil(2)].iter_mut().enumerate() {
         let lo = half::bf16::from_f32(src[2 * p]).to_bits();
         let hi = src.get(2 * p + 1).map_or(0, |&x| half::bf16::from_f32(x).to_bits());
@@ -201,6 +202,7 @@ pub(super) fn narrow_row_pairs(isa: Isa, dst: &mut [Bf16Pair], lo: &[f32], hi: O
         // SAFETY: AVX-512F and AVX-512 BF16 are available (checked above); lengths checked.
         return unsafe { x86::narrow_row_pairs(dst, lo, hi) };
     }
+    let _ = isa;
     let round = |x: f32| half::bf16::from_f32(x).to_bits();
     for (c, w) in dst[..n].iter_mut().enumerate() {
         *w = pair(round(lo[c]), hi.map_or(0, |h| round(h[c])));

@@ -33,7 +33,7 @@ pub(super) fn transpose<E: Word>(
         "transpose: tile views out of bounds"
     );
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && Isa::Avx512.is_supported() {
+    if isa.avx512() {
         // SAFETY: AVX-512F is available (checked just above), `E` is 4 bytes (`Word` is only
         // implemented for f32 and u32) and the assert above bounds every access.
         unsafe { x86::transpose(dst.as_mut_ptr().cast(), ld_dst, src.as_ptr().cast(), ld_src, rows, cols) };

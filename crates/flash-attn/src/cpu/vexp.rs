@@ -24,7 +24,7 @@ pub fn row_max(isa: Isa, row: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY: AVX-512F is available (checked).
-        Isa::Avx512 if Isa::Avx512.is_supported() => return unsafe { x86::row_max(row) },
+        _ if isa.avx512() => return unsafe { x86::row_max(row) },
         // SAFETY: AVX2 and FMA are available (checked).
         Isa::Avx2 if Isa::Avx2.is_supported() => return unsafe { super::avx2::row_max(row) },
         _ => {}
@@ -47,7 +47,7 @@ pub fn exp_scaled_sub_sum(isa: Isa, row: &mut [f32], scale: f32, m: f32) -> f32 
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY: AVX-512F is available (checked).
-        Isa::Avx512 if Isa::Avx512.is_supported() => return unsafe { x86::exp_scaled_sub_sum(row, scale, m) },
+        _ if isa.avx512() => return unsafe { x86::exp_scaled_sub_sum(row, scale, m) },
         // SAFETY: AVX2 and FMA are available (checked).
         Isa::Avx2 if Isa::Avx2.is_supported() => return unsafe { super::avx2::exp_scaled_sub_sum(row, scale, m) },
         _ => {}

@@ -33,7 +33,7 @@ macro_rules! with_dtype {
 }
 
 /// The items `$body` once per CPU instruction-set path this target can have, each copy in a
-/// module named after the path (`portable`, `avx2`, `avx512` on x86-64; `portable`, `neon` on
+/// module named after the path (`portable`, `avx2`, `avx512`, `amx` on x86-64; `portable`, `neon` on
 /// aarch64) with `ISA` bound to it, so that the log names every test of every path. A copy whose
 /// path this CPU lacks (or `FLASH_ATTN_CPU_ISA` caps) skips its tests with a message: use
 /// [`on_isa`] to attach the path to a case.
@@ -58,6 +58,13 @@ macro_rules! for_each_isa {
             #[allow(unused_imports)]
             use super::*;
             const ISA: flash_attn::cpu::Isa = flash_attn::cpu::Isa::Avx512;
+            $($body)*
+        }
+        #[cfg(target_arch = "x86_64")]
+        mod amx {
+            #[allow(unused_imports)]
+            use super::*;
+            const ISA: flash_attn::cpu::Isa = flash_attn::cpu::Isa::Amx;
             $($body)*
         }
         #[cfg(target_arch = "aarch64")]

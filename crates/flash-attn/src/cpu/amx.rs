@@ -1,0 +1,236 @@
+//! AMX `bf16` tile products (Sapphire Rapids and later): [`super::gemm::gemm_bf16`] on the tile
+//! unit's `tdpbf16ps`, 16 × 16 `f32` tiles of `C`, each `A` tile 16 rows × 16 pairs and each `B`
+//! tile 16 pair rows × 16 columns.
+//!
+//! The pair layout of the AVX-512 BF16 products is already AMX's: a row of `A` as pairs along
+//! `k` is a row of an `A` tile, and `B` stored as pairs along `k` (`b[p · ldb + j]` = `B[2p][j],
+//! B[2p + 1][j]`) is the "VNNI" layout of a `B` tile, so whole in-bounds blocks load straight
+//! from the operands with their row strides. Blocks at an edge (rows, columns or pairs past the
+//! end) and blocks of a transposed `A` are copied into zero-padded 16 × 16 scratch blocks first.
+//!
+//! Each element of `C` is one chain of pair products added in `k` order from zero (the
+//! instruction's definition), then added to `C` when accumulating: its bits do not depend on
+//! which rows and columns share the call, and zero padding adds exact zeros. `tdpbf16ps` flushes
+//! denormal inputs and results to zero, within the numerics contract.
+//!
+//! The tile registers are used only inside one call: the configuration is loaded at its start
+//! and released at its end. Instructions are written with `asm!` (the AMX intrinsics are not
+//! stable Rust).
+
+use std::arch::asm;
+use std::sync::OnceLock;
+
+/// Whether this CPU and OS run AMX `bf16` for this process: CPUID's AMX-TILE and AMX-BF16, tile
+/// state enabled in XCR0, and Linux's permission to use tile data (requested once).
+pub fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| cpu_and_os_support() && request_tile_permission())
+}
+
+fn cpu_and_os_support() -> bool {
+    let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+    let (amx_bf16, amx_tile) = ((leaf7.edx >> 22) & 1 == 1, (leaf7.edx >> 24) & 1 == 1);
+    let osxsave = (std::arch::x86_64::__cpuid(1).ecx >> 27) & 1 == 1;
+    if !(amx_bf16 && amx_tile && osxsave) {
+        return false;
+    }
+    let xcr0_lo: u32;
+    // SAFETY: `xgetbv` with ecx = 0 reads XCR0; it is valid when CPUID reports OSXSAVE (checked).
+    unsafe {
+        asm!("xgetbv", in("ecx") 0u32, out("eax") xcr0_lo, out("edx") _, options(nomem, nostack, preserves_flags));
+    }
+    // Bits 17 (XTILECFG) and 18 (XTILEDATA): the OS saves and restores tile state.
+    (xcr0_lo >> 17) & 3 == 3
+}
+
+#[cfg(target_os = "linux")]
+fn request_tile_permission() -> bool {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) asks the kernel for permission
+    // to use the tile data state in this process; it reads and writes no user memory. `syscall`
+    // clobbers rcx and r11, declared here.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack)
+        );
+    }
+    ret == 0
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tile_permission() -> bool {
+    false
+}
+
+/// The 64-byte tile configuration of `ldtilecfg` (palette 1).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// Words (pairs) per tile row, rows per tile.
+const T: usize = 16;
+
+/// A 16 × 16 block of words, 64-byte aligned (one tile).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Block([u32; T * T]);
+
+/// `C[m × n] (+)= A · B` on `bf16` pairs (as [`super::gemm::gemm_bf16`]; `A` stored transposed
+/// when `TA`, as [`super::gemm::gemm_bf16_ta`]).
+///
+/// # Safety
+/// [`available`] is true and the CPU has AVX-512F; every access in bounds (`gemm_bf16_with`
+/// asserts it).
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_bf16<const TA: bool>(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[u32],
+    lda: usize,
+    b: &[u32],
+    ldb: usize,
+    m: usize,
+    n: usize,
+    kp: usize,
+    accumulate: bool,
+) {
+    // Tiles 0-3: the 2 × 2 blocks of C; 4, 5: A of the two row blocks; 6, 7: B of the two
+    // column blocks. All 16 rows × 64 bytes.
+    let cfg = TileConfig {
+        palette: 1,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+        rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+    };
+    let zero = Block([0; T * T]);
+    let mut a_pad = [zero; 2];
+    let mut b_pad = [zero; 2];
+    let mut c_out = [[0.0f32; T * T]; 4];
+    let k_blocks = kp.div_ceil(T);
+    // SAFETY: AMX is available and permitted (caller's contract); `cfg` is a valid palette-1
+    // configuration.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly)) };
+    for i0 in (0..m).step_by(2 * T) {
+        for j0 in (0..n).step_by(2 * T) {
+            // SAFETY: tile registers configured above.
+            unsafe {
+                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nomem, nostack));
+            }
+            for kb in 0..k_blocks {
+                let k0 = kb * T;
+                let kw = (kp - k0).min(T);
+                // The A tile of each row block: in place when whole and not transposed, else
+                // packed into its scratch block (zeros past the edges).
+                let mut a_src = [(zero.0.as_ptr(), 64usize); 2];
+                for (r, src) in a_src.iter_mut().enumerate() {
+                    let i = i0 + r * T;
+                    if i >= m {
+                        continue; // a row block wholly past the end: the zero block
+                    }
+                    let rows = (m - i).min(T);
+                    if !TA && rows == T && kw == T {
+                        *src = (a[i * lda + k0..].as_ptr(), lda * 4);
+                    } else {
+                        let blk = &mut a_pad[r].0;
+                        blk.fill(0);
+                        for (rr, row) in blk.chunks_exact_mut(T).take(rows).enumerate() {
+                            for (p, w) in row.iter_mut().take(kw).enumerate() {
+                                *w = a[super::gemm::a_index::<TA>(i + rr, k0 + p, lda)];
+                            }
+                        }
+                        *src = (blk.as_ptr(), 64);
+                    }
+                }
+                let mut b_src = [(zero.0.as_ptr(), 64usize); 2];
+                for (s, src) in b_src.iter_mut().enumerate() {
+                    let j = j0 + s * T;
+                    if j >= n {
+                        continue;
+                    }
+                    let cols = (n - j).min(T);
+                    if cols == T && kw == T {
+                        *src = (b[k0 * ldb + j..].as_ptr(), ldb * 4);
+                    } else {
+                        let blk = &mut b_pad[s].0;
+                        blk.fill(0);
+                        for (p, row) in blk.chunks_exact_mut(T).take(kw).enumerate() {
+                            row[..cols].copy_from_slice(&b[(k0 + p) * ldb + j..][..cols]);
+                        }
+                        *src = (blk.as_ptr(), 64);
+                    }
+                }
+                // SAFETY: each source is a whole in-bounds 16 × 16 block of the operand (rows
+                // `stride` bytes apart, checked above) or a 1 KiB scratch block; tiles configured.
+                unsafe {
+                    asm!(
+                        "tileloadd tmm4, [{a0} + {sa0}*1]",
+                        "tileloadd tmm5, [{a1} + {sa1}*1]",
+                        "tileloadd tmm6, [{b0} + {sb0}*1]",
+                        "tileloadd tmm7, [{b1} + {sb1}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a0 = in(reg) a_src[0].0,
+                        sa0 = in(reg) a_src[0].1,
+                        a1 = in(reg) a_src[1].0,
+                        sa1 = in(reg) a_src[1].1,
+                        b0 = in(reg) b_src[0].0,
+                        sb0 = in(reg) b_src[0].1,
+                        b1 = in(reg) b_src[1].0,
+                        sb1 = in(reg) b_src[1].1,
+                        options(nostack, readonly),
+                    );
+                }
+            }
+            // SAFETY: four 1 KiB outputs (16 rows of 64 bytes); tiles configured.
+            unsafe {
+                asm!(
+                    "tilestored [{c0} + {s}*1], tmm0",
+                    "tilestored [{c1} + {s}*1], tmm1",
+                    "tilestored [{c2} + {s}*1], tmm2",
+                    "tilestored [{c3} + {s}*1], tmm3",
+                    c0 = in(reg) c_out[0].as_mut_ptr(),
+                    c1 = in(reg) c_out[1].as_mut_ptr(),
+                    c2 = in(reg) c_out[2].as_mut_ptr(),
+                    c3 = in(reg) c_out[3].as_mut_ptr(),
+                    s = in(reg) 64usize,
+                    options(nostack),
+                );
+            }
+            for (q, out) in c_out.iter().enumerate() {
+                let (i, j) = (i0 + (q / 2) * T, j0 + (q % 2) * T);
+                if i >= m || j >= n {
+                    continue;
+                }
+                let cols = (n - j).min(T);
+                for (r, row) in out.chunks_exact(T).take((m - i).min(T)).enumerate() {
+                    let dst = &mut c[(i + r) * ldc + j..][..cols];
+                    if accumulate {
+                        dst.iter_mut().zip(row).for_each(|(d, &s)| *d += s);
+                    } else {
+                        dst.copy_from_slice(&row[..cols]);
+                    }
+                }
+            }
+        }
+    }
+    // SAFETY: releases the tile state configured above.
+    unsafe { asm!("tilerelease", options(nomem, nostack)) };
+}
