@@ -86,7 +86,8 @@ for_each_isa! {
 fn random_cases_meet_the_contract_for_every_gradient() {
     let mut rng = Rng::new(77);
     let mut failed = 0;
-    for n in 0..150 {
+    // 150 cases, or `$PROPTEST_CASES` (the emulated aarch64 run uses fewer).
+    for n in 0..common::config(150).cases {
         let Some(case) = common::on_isa(ISA, Case::random(&mut rng)) else { return };
         let dropout = (n % 3 == 0).then(|| Dropout { p: rng.pick(&[0.1, 0.3, 0.5]), seed: rng.next_u64(), offset: n });
         let rep = case.run_cpu_backward(dropout).unwrap();

@@ -119,14 +119,40 @@ pub unsafe fn gemm_bf16<const TA: bool>(
         rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
     };
     let zero = Block([0; T * T]);
-    let mut a_pad = [zero; 2];
     let mut b_pad = [zero; 2];
     let mut c_out = [[0.0f32; T * T]; 4];
     let k_blocks = kp.div_ceil(T);
+    // The A blocks of one 32-row strip, packed once per strip where they cannot be loaded in
+    // place (edges, transposed A) and reused by every column block.
+    let mut a_strip = vec![zero; 2 * k_blocks];
+    let mut a_src = vec![(zero.0.as_ptr(), 64usize); 2 * k_blocks];
     // SAFETY: AMX is available and permitted (caller's contract); `cfg` is a valid palette-1
     // configuration.
     unsafe { asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly)) };
     for i0 in (0..m).step_by(2 * T) {
+        for (idx, (src, blk)) in a_src.iter_mut().zip(a_strip.iter_mut()).enumerate() {
+            let (r, kb) = (idx / k_blocks, idx % k_blocks);
+            let (i, k0) = (i0 + r * T, kb * T);
+            if i >= m {
+                *src = (zero.0.as_ptr(), 64); // a row block wholly past the end
+                continue;
+            }
+            let (rows, kw) = ((m - i).min(T), (kp - k0).min(T));
+            if !TA && rows == T && kw == T {
+                *src = (a[i * lda + k0..].as_ptr(), lda * 4);
+                continue;
+            }
+            blk.0.fill(0);
+            if TA {
+                // Rows k0.. of the stored Aᵀ, columns i..: a transpose of words.
+                super::transpose::transpose(super::isa::Isa::Avx512, &mut blk.0, T, &a[k0 * lda + i..], lda, kw, rows);
+            } else {
+                for (rr, row) in blk.0.chunks_exact_mut(T).take(rows).enumerate() {
+                    row[..kw].copy_from_slice(&a[(i + rr) * lda + k0..][..kw]);
+                }
+            }
+            *src = (blk.0.as_ptr(), 64);
+        }
         for j0 in (0..n).step_by(2 * T) {
             // SAFETY: tile registers configured above.
             unsafe {
@@ -135,28 +161,7 @@ pub unsafe fn gemm_bf16<const TA: bool>(
             for kb in 0..k_blocks {
                 let k0 = kb * T;
                 let kw = (kp - k0).min(T);
-                // The A tile of each row block: in place when whole and not transposed, else
-                // packed into its scratch block (zeros past the edges).
-                let mut a_src = [(zero.0.as_ptr(), 64usize); 2];
-                for (r, src) in a_src.iter_mut().enumerate() {
-                    let i = i0 + r * T;
-                    if i >= m {
-                        continue; // a row block wholly past the end: the zero block
-                    }
-                    let rows = (m - i).min(T);
-                    if !TA && rows == T && kw == T {
-                        *src = (a[i * lda + k0..].as_ptr(), lda * 4);
-                    } else {
-                        let blk = &mut a_pad[r].0;
-                        blk.fill(0);
-                        for (rr, row) in blk.chunks_exact_mut(T).take(rows).enumerate() {
-                            for (p, w) in row.iter_mut().take(kw).enumerate() {
-                                *w = a[super::gemm::a_index::<TA>(i + rr, k0 + p, lda)];
-                            }
-                        }
-                        *src = (blk.as_ptr(), 64);
-                    }
-                }
+                let a_src = [a_src[kb], a_src[k_blocks + kb]];
                 let mut b_src = [(zero.0.as_ptr(), 64usize); 2];
                 for (s, src) in b_src.iter_mut().enumerate() {
                     let j = j0 + s * T;

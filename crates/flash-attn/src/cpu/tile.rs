@@ -160,7 +160,11 @@ pub(super) fn score_tile(
     mut tanh: Option<&mut [f32]>,
 ) {
     let nc = cols.len();
-    if class == TileClass::Partial {
+    // On AMX tiles a Partial tile is multiplied whole: one call instead of one per panel (each
+    // call configures the tile registers), and a column's dot product does not depend on which
+    // columns share the call.
+    let whole = isa.amx() && matches!(qk, QkOperands::Bf16Pairs { .. });
+    if class == TileClass::Partial && !whole {
         // Only the columns some row of each panel can see: on a causal diagonal about half.
         for (p0, keys) in panels(vis, rows.clone(), cols.clone()) {
             let n = (p0 + PANEL).min(rows.len()) - p0;
