@@ -8,9 +8,11 @@
 //! from the operands with their row strides. Blocks at an edge (rows, columns or pairs past the
 //! end) and blocks of a transposed `A` are copied into zero-padded 16 × 16 scratch blocks first.
 //!
-//! Each element of `C` is one chain of pair products added in `k` order from zero (the
-//! instruction's definition), then added to `C` when accumulating: its bits do not depend on
-//! which rows and columns share the call, and zero padding adds exact zeros. `tdpbf16ps` flushes
+//! Each element of `C` is one chain: from `C` when accumulating (else from zero), the pair
+//! products added in `k` order, 16 pairs an instruction. Whole 16 × 16 blocks of `C` are loaded
+//! into and stored from the tiles in place, edge blocks through scratch; either way the chain is
+//! the same, so its bits do not depend on which rows and columns share the call, and zero padding
+//! adds exact zeros. `tdpbf16ps` flushes
 //! denormal inputs and results to zero, within the numerics contract.
 //!
 //! The tile registers are used only inside one call: the configuration is loaded at its start
@@ -154,9 +156,48 @@ pub unsafe fn gemm_bf16<const TA: bool>(
             *src = (blk.0.as_ptr(), 64);
         }
         for j0 in (0..n).step_by(2 * T) {
-            // SAFETY: tile registers configured above.
-            unsafe {
-                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nomem, nostack));
+            // Each C block lives in place when whole (loaded when accumulating, stored back with
+            // C's row stride), else in its scratch block holding the valid part of C (or zeros);
+            // a block wholly past the end is computed on zeros and dropped.
+            let mut c_at = [(std::ptr::null_mut::<f32>(), 0usize, false); 4];
+            for (q, (at, out)) in c_at.iter_mut().zip(c_out.iter_mut()).enumerate() {
+                let (i, j) = (i0 + (q / 2) * T, j0 + (q % 2) * T);
+                let (rows, cols) = (m.saturating_sub(i).min(T), n.saturating_sub(j).min(T));
+                if rows == T && cols == T {
+                    *at = (c[i * ldc + j..].as_mut_ptr(), ldc * 4, true);
+                } else {
+                    out.fill(0.0);
+                    // (A block past the last column has no part of C: its rows may end past C.)
+                    if accumulate && cols > 0 {
+                        for (r, row) in out.chunks_exact_mut(T).take(rows).enumerate() {
+                            row[..cols].copy_from_slice(&c[(i + r) * ldc + j..][..cols]);
+                        }
+                    }
+                    *at = (out.as_mut_ptr(), 64, false);
+                }
+                let (ptr, stride) = (at.0, at.1);
+                // SAFETY: `ptr` is a whole in-bounds 16 × 16 block of C (rows `stride` bytes
+                // apart) or a 1 KiB scratch block; tiles configured.
+                unsafe {
+                    match (q, accumulate || !at.2) {
+                        (0, true) => {
+                            asm!("tileloadd tmm0, [{} + {}*1]", in(reg) ptr, in(reg) stride, options(nostack, readonly))
+                        }
+                        (1, true) => {
+                            asm!("tileloadd tmm1, [{} + {}*1]", in(reg) ptr, in(reg) stride, options(nostack, readonly))
+                        }
+                        (2, true) => {
+                            asm!("tileloadd tmm2, [{} + {}*1]", in(reg) ptr, in(reg) stride, options(nostack, readonly))
+                        }
+                        (3, true) => {
+                            asm!("tileloadd tmm3, [{} + {}*1]", in(reg) ptr, in(reg) stride, options(nostack, readonly))
+                        }
+                        (0, false) => asm!("tilezero tmm0", options(nomem, nostack)),
+                        (1, false) => asm!("tilezero tmm1", options(nomem, nostack)),
+                        (2, false) => asm!("tilezero tmm2", options(nomem, nostack)),
+                        _ => asm!("tilezero tmm3", options(nomem, nostack)),
+                    }
+                }
             }
             for kb in 0..k_blocks {
                 let k0 = kb * T;
@@ -204,34 +245,33 @@ pub unsafe fn gemm_bf16<const TA: bool>(
                     );
                 }
             }
-            // SAFETY: four 1 KiB outputs (16 rows of 64 bytes); tiles configured.
+            // SAFETY: each destination is a whole in-bounds 16 × 16 block of C or a 1 KiB
+            // scratch block (as loaded above); tiles configured.
             unsafe {
                 asm!(
-                    "tilestored [{c0} + {s}*1], tmm0",
-                    "tilestored [{c1} + {s}*1], tmm1",
-                    "tilestored [{c2} + {s}*1], tmm2",
-                    "tilestored [{c3} + {s}*1], tmm3",
-                    c0 = in(reg) c_out[0].as_mut_ptr(),
-                    c1 = in(reg) c_out[1].as_mut_ptr(),
-                    c2 = in(reg) c_out[2].as_mut_ptr(),
-                    c3 = in(reg) c_out[3].as_mut_ptr(),
-                    s = in(reg) 64usize,
+                    "tilestored [{c0} + {s0}*1], tmm0",
+                    "tilestored [{c1} + {s1}*1], tmm1",
+                    "tilestored [{c2} + {s2}*1], tmm2",
+                    "tilestored [{c3} + {s3}*1], tmm3",
+                    c0 = in(reg) c_at[0].0,
+                    s0 = in(reg) c_at[0].1,
+                    c1 = in(reg) c_at[1].0,
+                    s1 = in(reg) c_at[1].1,
+                    c2 = in(reg) c_at[2].0,
+                    s2 = in(reg) c_at[2].1,
+                    c3 = in(reg) c_at[3].0,
+                    s3 = in(reg) c_at[3].1,
                     options(nostack),
                 );
             }
             for (q, out) in c_out.iter().enumerate() {
                 let (i, j) = (i0 + (q / 2) * T, j0 + (q % 2) * T);
-                if i >= m || j >= n {
+                if i >= m || j >= n || c_at[q].2 {
                     continue;
                 }
                 let cols = (n - j).min(T);
                 for (r, row) in out.chunks_exact(T).take((m - i).min(T)).enumerate() {
-                    let dst = &mut c[(i + r) * ldc + j..][..cols];
-                    if accumulate {
-                        dst.iter_mut().zip(row).for_each(|(d, &s)| *d += s);
-                    } else {
-                        dst.copy_from_slice(&row[..cols]);
-                    }
+                    c[(i + r) * ldc + j..][..cols].copy_from_slice(&row[..cols]);
                 }
             }
         }
