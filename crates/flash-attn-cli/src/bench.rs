@@ -329,8 +329,7 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     let gpu_name = args.device.ensure_available()?;
     let isa = if cuda { None } else { Some(flash_attn::cpu::Isa::default_for_process()?) };
     if let (Some(isa), true) = (isa, args.fma_peak) {
-        let gflops = flash_attn::cpu::peak::fma_gflops(isa, 3);
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let (gflops, threads) = flash_attn::cpu::peak::fma_gflops(isa, 3);
         println!("f32 FMA peak, {isa} path, {threads} threads: {gflops:.1} GFLOP/s");
         return Ok(ExitCode::SUCCESS);
     }

@@ -1143,3 +1143,22 @@ fn the_portable_cap_passes_check() {
     assert!(res.status.success(), "{stdout} {}", String::from_utf8_lossy(&res.stderr));
     assert!(stdout.contains("20 passed, 0 failed"), "{stdout}");
 }
+
+#[test]
+fn bench_fma_peak_reports_a_positive_rate_on_the_capped_path() {
+    let res = Command::new(BIN)
+        .args(["bench", "--fma-peak"])
+        .env("RAYON_NUM_THREADS", "1")
+        .env("FLASH_ATTN_CPU_ISA", "portable")
+        .output()
+        .expect("run flash-attn");
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{stdout} {}", String::from_utf8_lossy(&res.stderr));
+    let rate: f64 = stdout
+        .split("threads: ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no rate in {stdout:?}"));
+    assert!(stdout.contains("portable path, 1 threads") && rate > 0.0, "{stdout}");
+}

@@ -13,8 +13,9 @@ use super::isa::Isa;
 const CHAINS: usize = 12;
 
 /// f32 GFLOP/s of fused multiply-adds on all threads of the current rayon pool on path `isa`
-/// (the portable path counts plain multiply-adds of 8 lanes), the best of `rounds` timed runs.
-pub fn fma_gflops(isa: Isa, rounds: usize) -> f64 {
+/// (the portable path counts plain multiply-adds of 8 lanes), the best of `rounds` timed runs,
+/// and the number of threads that ran.
+pub fn fma_gflops(isa: Isa, rounds: usize) -> (f64, usize) {
     let threads = rayon::current_num_threads();
     let iters: u64 = 100_000_000;
     let mut best = 0.0f64;
@@ -24,7 +25,7 @@ pub fn fma_gflops(isa: Isa, rounds: usize) -> f64 {
         let secs = start.elapsed().as_secs_f64();
         best = best.max(flops / secs / 1e9);
     }
-    best
+    (best, threads)
 }
 
 /// One thread's loop: returns the flops it did (a result depending on every chain, so that the
