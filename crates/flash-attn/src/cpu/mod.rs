@@ -157,7 +157,14 @@ pub fn forward_into<T: Element>(
     lse: &mut [f32],
 ) -> Result<()> {
     let pairs = g.seqs.len() * g.hq;
-    let tiles = blocking::tiles(g.d, g.dv, g.max_sq, pairs, rayon::current_num_threads());
+    let masked = g.causal != crate::spec::Causal::None || g.window.is_some();
+    let mut tiles = blocking::tiles(g.d, g.dv, g.max_sq, pairs, rayon::current_num_threads());
+    if masked {
+        // Query tiles no taller than key tiles: a causal or windowed query tile visits the key
+        // tiles its rows' spans reach, and a tall one drags its first rows over its last rows'
+        // keys (at 512², 256-row tiles visit 6 of 8 tiles where 128-row tiles visit 10 of 16).
+        tiles.br = tiles.br.min(tiles.bc);
+    }
     forward_into_tiled(g, q, k, v, out, lse, tiles)
 }
 
