@@ -7,17 +7,7 @@
 
 use std::arch::x86_64::*;
 
-/// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)` (as on AVX-512).
-const C: [f32; 8] = [
-    1.0,
-    std::f32::consts::LN_2,
-    0.240_226_5,
-    0.055_504_11,
-    0.009_618_129,
-    0.001_333_355_8,
-    0.000_154_035_3,
-    0.000_015_252_73,
-];
+use super::vexp::EXP2_TAYLOR;
 
 /// Lanes `0..w` of 8 selected.
 #[target_feature(enable = "avx2")]
@@ -40,8 +30,8 @@ pub unsafe fn exp2(x: __m256) -> __m256 {
     let x = _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(_mm256_set1_ps(-160.0), x));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
     let f = _mm256_sub_ps(x, n);
-    let mut p = _mm256_set1_ps(C[7]);
-    for &c in C[..7].iter().rev() {
+    let mut p = _mm256_set1_ps(EXP2_TAYLOR[7]);
+    for &c in EXP2_TAYLOR[..7].iter().rev() {
         p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
     }
     let ni = _mm256_cvtps_epi32(n);

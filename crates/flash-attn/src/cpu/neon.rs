@@ -9,6 +9,8 @@
 
 use std::arch::aarch64::*;
 
+use super::vexp::EXP2_TAYLOR;
+
 /// Rows of `C` per micro-tile.
 const MR: usize = 8;
 
@@ -111,18 +113,6 @@ unsafe fn tile<const R: usize, const TA: bool>(
     }
 }
 
-/// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)` (as on AVX-512).
-const C: [f32; 8] = [
-    1.0,
-    std::f32::consts::LN_2,
-    0.240_226_5,
-    0.055_504_11,
-    0.009_618_129,
-    0.001_333_355_8,
-    0.000_154_035_3,
-    0.000_015_252_73,
-];
-
 /// `2^x` for 4 lanes: `2^n · 2^f`, `n = round(x)`, the degree-7 polynomial for `2^f`, and `2^n`
 /// as two multiplies by powers of two (`x` down to -160, `-inf` included, gives exactly 0; NaN
 /// propagates: `fmax`/`fmin` return NaN).
@@ -135,8 +125,8 @@ unsafe fn exp2(x: float32x4_t) -> float32x4_t {
     let x = vminq_f32(vdupq_n_f32(128.0), vmaxq_f32(vdupq_n_f32(-160.0), x));
     let n = vrndnq_f32(x);
     let f = vsubq_f32(x, n);
-    let mut p = vdupq_n_f32(C[7]);
-    for &c in C[..7].iter().rev() {
+    let mut p = vdupq_n_f32(EXP2_TAYLOR[7]);
+    for &c in EXP2_TAYLOR[..7].iter().rev() {
         p = vfmaq_f32(vdupq_n_f32(c), p, f);
     }
     let ni = vcvtq_s32_f32(n);

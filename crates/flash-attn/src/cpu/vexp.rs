@@ -18,6 +18,19 @@ use super::gemm::Bf16Pair;
 use super::isa::Isa;
 use super::pairs::narrow_to_pairs;
 
+/// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)`, the polynomial of
+/// every SIMD path's `2^x` (AVX-512, AVX2, NEON).
+pub(super) const EXP2_TAYLOR: [f32; 8] = [
+    1.0,
+    std::f32::consts::LN_2,
+    0.240_226_5,
+    0.055_504_11,
+    0.009_618_129,
+    0.001_333_355_8,
+    0.000_154_035_3,
+    0.000_015_252_73,
+];
+
 /// `max_j row[j]` (`-inf` for an empty row; NaN entries are ignored, as by `f32::max`).
 #[inline]
 pub fn row_max(isa: Isa, row: &[f32]) -> f32 {
@@ -126,18 +139,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::lanes::{interleave_rows, load_ps, store_epi32, store_ps};
-
-    /// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)`.
-    const C: [f32; 8] = [
-        1.0,
-        std::f32::consts::LN_2,
-        0.240_226_5,
-        0.055_504_11,
-        0.009_618_129,
-        0.001_333_355_8,
-        0.000_154_035_3,
-        0.000_015_252_73,
-    ];
+    use super::EXP2_TAYLOR;
 
     /// `2^x` for 16 lanes.
     ///
@@ -151,8 +153,8 @@ mod x86 {
         let x = _mm512_min_ps(_mm512_set1_ps(128.0), _mm512_max_ps(_mm512_set1_ps(-150.0), x));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
         let f = _mm512_sub_ps(x, n);
-        let mut p = _mm512_set1_ps(C[7]);
-        for &c in C[..7].iter().rev() {
+        let mut p = _mm512_set1_ps(EXP2_TAYLOR[7]);
+        for &c in EXP2_TAYLOR[..7].iter().rev() {
             p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
         }
         _mm512_scalef_ps(p, n)
