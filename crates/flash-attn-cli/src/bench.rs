@@ -327,6 +327,9 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
         return Err(CliError::new("the memory table (`--memory`) runs on cpu only"));
     }
     let gpu_name = args.device.ensure_available()?;
+    if cuda && args.fma_peak {
+        return Err(CliError::new("the FMA peak (`--fma-peak`) is measured on cpu only"));
+    }
     let isa = if cuda { None } else { Some(flash_attn::cpu::Isa::default_for_process()?) };
     if let (Some(isa), true) = (isa, args.fma_peak) {
         let (gflops, threads) = flash_attn::cpu::peak::fma_gflops(isa, 3);

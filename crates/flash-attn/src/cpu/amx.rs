@@ -124,6 +124,9 @@ pub unsafe fn gemm_bf16<const TA: bool>(
     let mut b_pad = [zero; 2];
     let mut c_out = [[0.0f32; T * T]; 4];
     let k_blocks = kp.div_ceil(T);
+    // C only through this pointer from here on: the tiles read and write whole blocks of it in
+    // place, and the edge blocks are copied in and out through it.
+    let cp = c.as_mut_ptr();
     // The A blocks of one 32-row strip, packed once per strip where they cannot be loaded in
     // place (edges, transposed A) and reused by every column block.
     let mut a_strip = vec![zero; 2 * k_blocks];
@@ -164,13 +167,17 @@ pub unsafe fn gemm_bf16<const TA: bool>(
                 let (i, j) = (i0 + (q / 2) * T, j0 + (q % 2) * T);
                 let (rows, cols) = (m.saturating_sub(i).min(T), n.saturating_sub(j).min(T));
                 if rows == T && cols == T {
-                    *at = (c[i * ldc + j..].as_mut_ptr(), ldc * 4, true);
+                    // SAFETY: rows i..i+16 and columns j..j+16 lie in C (rows < m, columns < n,
+                    // and the caller's bounds), so the block's first element does.
+                    *at = (unsafe { cp.add(i * ldc + j) }, ldc * 4, true);
                 } else {
                     out.fill(0.0);
                     // (A block past the last column has no part of C: its rows may end past C.)
                     if accumulate && cols > 0 {
                         for (r, row) in out.chunks_exact_mut(T).take(rows).enumerate() {
-                            row[..cols].copy_from_slice(&c[(i + r) * ldc + j..][..cols]);
+                            // SAFETY: row i + r < m and columns j..j+cols <= n lie in C.
+                            let src = unsafe { std::slice::from_raw_parts(cp.add((i + r) * ldc + j), cols) };
+                            row[..cols].copy_from_slice(src);
                         }
                     }
                     *at = (out.as_mut_ptr(), 64, false);
@@ -271,7 +278,10 @@ pub unsafe fn gemm_bf16<const TA: bool>(
                 }
                 let cols = (n - j).min(T);
                 for (r, row) in out.chunks_exact(T).take((m - i).min(T)).enumerate() {
-                    c[(i + r) * ldc + j..][..cols].copy_from_slice(&row[..cols]);
+                    // SAFETY: row i + r < m and columns j..j+cols <= n lie in C; no other
+                    // reference to C is alive.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(cp.add((i + r) * ldc + j), cols) };
+                    dst.copy_from_slice(&row[..cols]);
                 }
             }
         }

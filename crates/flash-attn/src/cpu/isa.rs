@@ -13,7 +13,7 @@
 //! name) makes every CPU call fail with [`Error::CpuIsa`], rather than silently running
 //! something else.
 //!
-//! Every path computes the same results bit for bit across thread counts, tile sizes and head
+//! Every path computes the same results bit for bit across thread counts, query tile sizes (`Br`) and head
 //! groupings (each element's sums are formed in one order whatever the tiling), but different
 //! paths may round differently (fused or separate multiply-adds, `exp` polynomials): each meets
 //! the numerics contract on its own.
