@@ -91,15 +91,67 @@ const T: usize = 16;
 #[repr(C, align(64))]
 struct Block([u32; T * T]);
 
+/// A thread's scratch blocks, kept across calls (a call per tile product must not allocate or
+/// clear kilobytes of them): a zero block, the edge blocks of `B` and `C`, and the `A` blocks of
+/// one 32-row strip with where each is read from.
+struct Scratch {
+    zero: Block,
+    b_pad: [Block; 2],
+    c_out: [[f32; T * T]; 4],
+    a_strip: Vec<Block>,
+    a_src: Vec<(*const u32, usize)>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = const {
+        std::cell::RefCell::new(Scratch {
+            zero: Block([0; T * T]),
+            b_pad: [Block([0; T * T]); 2],
+            c_out: [[0.0; T * T]; 4],
+            a_strip: Vec::new(),
+            a_src: Vec::new(),
+        })
+    };
+}
+
 /// `C[m × n] (+)= A · B` on `bf16` pairs (as [`super::gemm::gemm_bf16`]; `A` stored transposed
 /// when `TA`, as [`super::gemm::gemm_bf16_ta`]).
 ///
 /// # Safety
 /// [`available`] is true and the CPU has AVX-512F; every access in bounds (`gemm_bf16_with`
 /// asserts it).
-#[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm_bf16<const TA: bool>(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[u32],
+    lda: usize,
+    b: &[u32],
+    ldb: usize,
+    m: usize,
+    n: usize,
+    kp: usize,
+    accumulate: bool,
+) {
+    SCRATCH.with_borrow_mut(|sc| {
+        let k_blocks = kp.div_ceil(T);
+        if sc.a_strip.len() < 2 * k_blocks {
+            sc.a_strip.resize(2 * k_blocks, Block([0; T * T]));
+            sc.a_src.resize(2 * k_blocks, (std::ptr::null(), 0));
+        }
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { run::<TA>(sc, c, ldc, a, lda, b, ldb, m, n, kp, accumulate) }
+    })
+}
+
+/// [`gemm_bf16`] with the thread's scratch (`a_strip` and `a_src` at least `2 · ceil(kp / 16)`
+/// long).
+///
+/// # Safety
+/// As [`gemm_bf16`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn run<const TA: bool>(
+    sc: &mut Scratch,
     c: &mut [f32],
     ldc: usize,
     a: &[u32],
@@ -120,17 +172,14 @@ pub unsafe fn gemm_bf16<const TA: bool>(
         colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
         rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
     };
-    let zero = Block([0; T * T]);
-    let mut b_pad = [zero; 2];
-    let mut c_out = [[0.0f32; T * T]; 4];
+    let Scratch { zero, b_pad, c_out, a_strip, a_src } = sc;
     let k_blocks = kp.div_ceil(T);
+    let (a_strip, a_src) = (&mut a_strip[..2 * k_blocks], &mut a_src[..2 * k_blocks]);
     // C only through this pointer from here on: the tiles read and write whole blocks of it in
     // place, and the edge blocks are copied in and out through it.
     let cp = c.as_mut_ptr();
     // The A blocks of one 32-row strip, packed once per strip where they cannot be loaded in
     // place (edges, transposed A) and reused by every column block.
-    let mut a_strip = vec![zero; 2 * k_blocks];
-    let mut a_src = vec![(zero.0.as_ptr(), 64usize); 2 * k_blocks];
     // SAFETY: AMX is available and permitted (caller's contract); `cfg` is a valid palette-1
     // configuration.
     unsafe { asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly)) };
