@@ -160,6 +160,11 @@ pub enum Error {
         element_bytes: usize,
     },
 
+    /// A KV-cache input is inconsistent: `cache_seqlens` past the cache, a block table entry past
+    /// the pages, new tokens that do not fit, two sequences writing one slot, ...
+    #[error("KV cache: {0}")]
+    KvCache(String),
+
     /// A feature that this backend or build does not provide.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -45,6 +45,8 @@
 //!   with dropout from [`philox`] regenerated rather than stored;
 //! - [`mask`] is the one module deciding visibility and which tiles run;
 //! - [`check`] runs random cases against the oracle under the numerics contract;
+//! - [`kvcache`] is inference over a KV cache (contiguous or paged, in-place append, rotary,
+//!   split-KV / Flash-Decoding with GQA packing);
 //! - [`io_model`] predicts HBM traffic of standard attention and FlashAttention (Theorem 2).
 
 #![warn(missing_docs)]
@@ -56,6 +58,7 @@ pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod io_model;
+pub mod kvcache;
 pub mod mask;
 pub mod philox;
 pub mod reference;

@@ -628,7 +628,7 @@ impl<'a> Geometry<'a> {
     }
 }
 
-fn check_alibi<'a>(t: &Tensor<'a, f32>, batch: usize, hq: usize) -> Result<AlibiRef<'a>> {
+pub(crate) fn check_alibi<'a>(t: &Tensor<'a, f32>, batch: usize, hq: usize) -> Result<AlibiRef<'a>> {
     let strides = match t.shape().len() {
         1 => {
             t.check("alibi_slopes", "[hq]", 1)?;

@@ -7,6 +7,7 @@
 
 mod backward;
 pub(crate) mod blocking;
+pub(crate) mod decode;
 mod forward;
 pub mod gemm;
 pub mod isa;
