@@ -38,7 +38,7 @@ use crate::run::zeroed;
 use crate::{alloc, CliError, Device, Result};
 
 /// Fewest timed runs behind a median.
-const MIN_RUNS: usize = 5;
+pub(crate) const MIN_RUNS: usize = 5;
 /// Keep timing short shapes until this much time has been spent (or [`MAX_RUNS`] reached).
 const TIME_BUDGET: Duration = Duration::from_millis(500);
 /// Most timed runs per shape.
@@ -86,6 +86,20 @@ pub struct BenchArgs {
     #[arg(long)]
     backward: bool,
 
+    /// Decode with a KV cache (needs `--shape B,HQ,HK,SQ,SK,D`): SQ query tokens per sequence
+    /// attend causally to a cache of SK tokens; prints `fwd_ms` and `gbps` (K+V bytes of the SK
+    /// cached tokens read / time) and, on cpu, the machine's read bandwidth (`mem_gbps`).
+    #[arg(long, requires = "shape", conflicts_with_all = ["backward", "block_size", "memory", "plot", "fma_peak"])]
+    decode: bool,
+
+    /// With `--decode`: a paged cache of P tokens a page (pages in shuffled order).
+    #[arg(long, value_name = "P", requires = "decode")]
+    page_size: Option<usize>,
+
+    /// With `--decode`: split each sequence's keys into N parts (0: the library's heuristic).
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "decode")]
+    num_splits: usize,
+
     /// Print one JSON line per problem instead of a table.
     #[arg(long)]
     json: bool,
@@ -122,12 +136,12 @@ pub struct BenchArgs {
 /// The sizes of one benchmark problem (`v` has head dim `d` too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
-    b: usize,
-    hq: usize,
-    hk: usize,
-    sq: usize,
-    sk: usize,
-    d: usize,
+    pub(crate) b: usize,
+    pub(crate) hq: usize,
+    pub(crate) hk: usize,
+    pub(crate) sq: usize,
+    pub(crate) sk: usize,
+    pub(crate) d: usize,
 }
 
 /// Parses `B,HQ,HK,SQ,SK,D`.
@@ -330,6 +344,9 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     if cuda && args.fma_peak {
         return Err(CliError::new("the FMA peak (`--fma-peak`) is measured on cpu only"));
     }
+    if let (true, Some(shape)) = (args.decode, args.shape) {
+        return crate::decode_bench::main(args.device, args.dtype, shape, args.page_size, args.num_splits, args.json);
+    }
     let isa = if cuda { None } else { Some(flash_attn::cpu::Isa::default_for_process()?) };
     if let (Some(isa), true) = (isa, args.fma_peak) {
         let (gflops, threads) = flash_attn::cpu::peak::fma_gflops(isa, 3);
@@ -499,7 +516,7 @@ impl<T: Element> Prepared<'_, T> {
 
 /// Median time in ms of `call` and the number of timed runs: at least `min_runs`, more while
 /// within [`TIME_BUDGET`] (at most [`MAX_RUNS`]).
-fn time_calls(min_runs: usize, mut call: impl FnMut() -> Result<()>) -> Result<(f64, usize)> {
+pub(crate) fn time_calls(min_runs: usize, mut call: impl FnMut() -> Result<()>) -> Result<(f64, usize)> {
     let mut times = Vec::with_capacity(MAX_RUNS);
     let start = Instant::now();
     while times.len() < min_runs || (start.elapsed() < TIME_BUDGET && times.len() < MAX_RUNS) {

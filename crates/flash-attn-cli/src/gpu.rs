@@ -78,6 +78,16 @@ pub trait GpuElement: Element {
     fn time_forward_backward(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing>;
 }
 
+/// The event-timed median of `bench --decode` on the GPU.
+pub fn decode(
+    dtype: flash_attn::DType,
+    shape: crate::bench::Shape,
+    page_size: Option<usize>,
+    num_splits: usize,
+) -> Result<crate::decode_bench::DecodeMeasurement> {
+    imp::decode(dtype, shape, page_size, num_splits)
+}
+
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use super::*;
@@ -95,6 +105,15 @@ mod imp {
     }
 
     pub fn compile_all(_archs: &[String]) -> Result<Vec<Compiled>> {
+        Err(not_built())
+    }
+
+    pub fn decode(
+        _: flash_attn::DType,
+        _: crate::bench::Shape,
+        _: Option<usize>,
+        _: usize,
+    ) -> Result<crate::decode_bench::DecodeMeasurement> {
         Err(not_built())
     }
 
@@ -138,6 +157,15 @@ mod imp {
     use flash_attn::check::{compare_gradients, report, Rng};
     use flash_attn::cuda::{self, Arch, CudaElement, DeviceTensor, DeviceTensorMut};
     use flash_attn::{reference, DType};
+
+    pub fn decode(
+        _: DType,
+        _: crate::bench::Shape,
+        _: Option<usize>,
+        _: usize,
+    ) -> Result<crate::decode_bench::DecodeMeasurement> {
+        Err(CliError::new("bench --decode on cuda: the CUDA KV-cache kernels are not in this build yet"))
+    }
     use half::{bf16, f16};
 
     use super::*;

@@ -10,6 +10,7 @@
 mod alloc;
 mod bench;
 mod check;
+mod decode_bench;
 mod gpu;
 mod io;
 mod kernels;

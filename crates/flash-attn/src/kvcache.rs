@@ -715,8 +715,8 @@ pub fn rotate_queries<T: Element>(
     let ql = layout4(q.strides());
     let mut outv = try_vec("q_rotated", b * sq * hq * d, T::default())?;
     let mut row = vec![0.0f32; d];
-    for bi in 0..b {
-        let cached = index("cache_seqlens", bi, cache_seqlens[bi])?;
+    for (bi, &seqlen) in cache_seqlens.iter().enumerate() {
+        let cached = index("cache_seqlens", bi, seqlen)?;
         for i in 0..sq {
             let pos = if causal_or_window { cached + i } else { cached };
             if pos >= max_pos {

@@ -145,6 +145,9 @@ impl Setup {
     }
 }
 
+/// What a call leaves: `(out, lse, k_cache, v_cache)`.
+type Run<T> = (Vec<T>, Vec<f32>, Vec<T>, Vec<T>);
+
 /// Owned inputs of a setup in dtype `T`.
 struct Data<T> {
     q: Vec<T>,
@@ -230,7 +233,7 @@ impl Setup {
     }
 
     /// Runs the call on copies of the caches: `(out, lse, k_cache, v_cache)`.
-    fn run<T: Element>(&self, data: &Data<T>, isa: Option<Isa>) -> Result<(Vec<T>, Vec<f32>, Vec<T>, Vec<T>), Error> {
+    fn run<T: Element>(&self, data: &Data<T>, isa: Option<Isa>) -> Result<Run<T>, Error> {
         let (ks, vs) = self.cache_shapes();
         let (mut kc, mut vc) = (data.k_cache.clone(), data.v_cache.clone());
         let res = kvcache::forward(
