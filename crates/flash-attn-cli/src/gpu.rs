@@ -159,12 +159,78 @@ mod imp {
     use flash_attn::{reference, DType};
 
     pub fn decode(
-        _: DType,
-        _: crate::bench::Shape,
-        _: Option<usize>,
-        _: usize,
+        dtype: DType,
+        shape: crate::bench::Shape,
+        page_size: Option<usize>,
+        num_splits: usize,
     ) -> Result<crate::decode_bench::DecodeMeasurement> {
-        Err(CliError::new("bench --decode on cuda: the CUDA KV-cache kernels are not in this build yet"))
+        match dtype {
+            DType::BF16 => decode_typed::<bf16>(shape, page_size, num_splits),
+            DType::F16 => decode_typed::<f16>(shape, page_size, num_splits),
+            DType::F32 => Err(CliError::new("bench --decode on cuda takes f16 or bf16")),
+        }
+    }
+
+    /// Event-timed median of the attention launches of a decode step (the cache already holds
+    /// the tokens; the launches read it whole).
+    fn decode_typed<T: CudaElement>(
+        shape: crate::bench::Shape,
+        page_size: Option<usize>,
+        num_splits: usize,
+    ) -> Result<crate::decode_bench::DecodeMeasurement> {
+        use flash_attn::kvcache::KvCache;
+        use flash_attn::{Tensor, TensorMut};
+        let s = shape;
+        let mut inp = crate::decode_bench::decode_inputs::<T>(s, page_size)?;
+        let spec = AttentionSpec::new().causal();
+        let mut cache = KvCache::new(&inp.seqlens).num_splits(num_splits);
+        if let Some((table, shp)) = &inp.block_table {
+            cache = cache.paged(Tensor::new(table, shp));
+        }
+        let cs = inp.cache_shape;
+        let q = Tensor::new(&inp.q, &[s.b, s.sq, s.hq, s.d]);
+        let mut run = cuda::decode::DecodeRun::new(
+            &spec,
+            &q,
+            &TensorMut::new(&mut inp.k_cache, &cs),
+            &TensorMut::new(&mut inp.v_cache, &cs),
+            &cache,
+        )?;
+        let dev = run.device();
+        let stream = dev.stream().clone();
+        let ctx = dev.context();
+        let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver("event creation"));
+        for _ in 0..WARM_UP {
+            run.launch_attention()?;
+        }
+        stream.synchronize().map_err(driver("synchronize"))?;
+        let (start, end) = (event()?, event()?);
+        start.record(&stream).map_err(driver("event record"))?;
+        run.launch_attention()?;
+        end.record(&stream).map_err(driver("event record"))?;
+        let estimate = f64::from(start.elapsed_ms(&end).map_err(driver("event timing"))?);
+        let runs = if estimate > 0.0 { (BUDGET_MS / estimate) as usize } else { MAX_RUNS };
+        let runs = runs.clamp(crate::bench::MIN_RUNS, MAX_RUNS);
+        let pairs: Vec<_> = (0..runs).map(|_| Ok((event()?, event()?))).collect::<Result<_>>()?;
+        for (a, b) in &pairs {
+            a.record(&stream).map_err(driver("event record"))?;
+            run.launch_attention()?;
+            b.record(&stream).map_err(driver("event record"))?;
+        }
+        stream.synchronize().map_err(driver("synchronize"))?;
+        let mut times = pairs
+            .iter()
+            .map(|(a, b)| a.elapsed_ms(b).map(f64::from).map_err(driver("event timing")))
+            .collect::<Result<Vec<f64>>>()?;
+        times.sort_by(f64::total_cmp);
+        let n = times.len();
+        let fwd_ms = if n % 2 == 1 { times[n / 2] } else { 0.5 * (times[n / 2 - 1] + times[n / 2]) };
+        Ok(crate::decode_bench::DecodeMeasurement {
+            fwd_ms,
+            gbps: crate::decode_bench::kv_bytes(s, T::DTYPE) / (fwd_ms * 1e6),
+            runs: n,
+            num_splits: run.splits,
+        })
     }
     use half::{bf16, f16};
 

@@ -140,6 +140,11 @@ impl<'a, T> KvCache<'a, T> {
         self
     }
 
+    /// The split count asked for with [`KvCache::num_splits`] (0: the heuristic's).
+    pub fn split_count(&self) -> usize {
+        self.num_splits
+    }
+
     /// Splits each sequence's key range into `n` parts computed in parallel and merged by their
     /// log-sum-exp (Flash-Decoding); `0` (the default) lets [`splits_heuristic`] choose. Results
     /// are bitwise the same for a given `n` whatever the thread count.
@@ -279,13 +284,13 @@ fn layout4(strides: &[usize]) -> RowLayout {
 impl<'a, T: Element> KvProblem<'a, T> {
     /// Validates everything a KV-cache call reads and writes, before anything is written.
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub fn new<U>(
         spec: &AttentionSpec<'a>,
         q: &Tensor<'a, T>,
         k_cache: &TensorMut<'_, T>,
         v_cache: &TensorMut<'_, T>,
         cache: &KvCache<'a, T>,
-        out: &TensorMut<'_, T>,
+        out: &TensorMut<'_, U>,
         lse_len: usize,
     ) -> Result<Self> {
         if spec.varlen.is_some() || spec.block_mask.is_some() || spec.dropout.is_some_and(|d| d.p != 0.0) {

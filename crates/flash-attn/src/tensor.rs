@@ -85,6 +85,11 @@ impl<'a, T> TensorMut<'a, T> {
         &self.strides
     }
 
+    /// The underlying buffer, read-only.
+    pub fn data(&self) -> &[T] {
+        self.data
+    }
+
     /// The underlying buffer.
     pub fn data_mut(&mut self) -> &mut [T] {
         self.data

@@ -623,3 +623,107 @@ fn varlen_block_mask_and_dropout_are_refused() {
     }
     assert_eq!(kc, data.k_cache);
 }
+
+/// The same problems on the CUDA backend (f16 and bf16, `d == dv` a multiple of 8), against the
+/// same oracle and cache checks; skipped where no GPU is present.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    fn gpu_setup(rng: &mut Rng, max_cached: usize) -> Setup {
+        let mut s = Setup::random(rng, max_cached);
+        s.d = rng.pick(&[8usize, 16, 24, 64, 64, 128, 128, 256]);
+        s.dv = s.d;
+        if let Some((rd, inter, max_pos)) = s.rotary {
+            s.rotary = Some(((rd.min(s.d) / 2).max(1) * 2, inter, max_pos));
+        }
+        s
+    }
+
+    fn gpu_meets_contract(seed: u64, bf16: bool, max_cached: usize) -> Result<(), TestCaseError> {
+        if let Err(e) = flash_attn::cuda::default_device() {
+            eprintln!("skipped: no CUDA device ({e})");
+            return Ok(());
+        }
+        let mut rng = Rng::new(seed);
+        let s = gpu_setup(&mut rng, max_cached);
+        macro_rules! go {
+            ($t:ty) => {{
+                let data = s.data::<$t>(&mut rng);
+                let (ks, vs) = s.cache_shapes();
+                let (mut kc, mut vc) = (data.k_cache.clone(), data.v_cache.clone());
+                let res = flash_attn::cuda::decode::forward_host(
+                    &s.spec(&data, None),
+                    &Tensor::new(&data.q, &[s.b, s.sq, s.hq, s.d]),
+                    &mut TensorMut::new(&mut kc, &ks),
+                    &mut TensorMut::new(&mut vc, &vs),
+                    &s.cache(&data),
+                )
+                .map_err(|e| TestCaseError::fail(format!("{e}\n{s:?}")))?;
+                check_caches(&s, &data, &kc, &vc)?;
+                check_attention(&s, &data, (&res.out, &res.lse, &kc, &vc))?;
+            }};
+        }
+        if bf16 {
+            go!(half::bf16)
+        } else {
+            go!(half::f16)
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(common::config(64))]
+
+        #[test]
+        fn gpu_kv_cache_problems_meet_the_contract(seed in any::<u64>(), bf16 in any::<bool>()) {
+            gpu_meets_contract(seed, bf16, 90)?;
+        }
+
+        #[test]
+        fn gpu_long_caches_meet_the_contract(seed in any::<u64>(), bf16 in any::<bool>()) {
+            gpu_meets_contract(seed, bf16, 3000)?;
+        }
+    }
+
+    /// A long decode problem with 1 split and with several agrees within rounding.
+    #[test]
+    fn gpu_split_and_unsplit_results_agree() {
+        if flash_attn::cuda::default_device().is_err() {
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        let mut rng = Rng::new(11);
+        let mut s = gpu_setup(&mut rng, 3000);
+        s.seqlens.iter_mut().for_each(|x| *x = (*x).max(2000));
+        s.page = None;
+        s.table = None;
+        s.batch_idx = None;
+        s.leftpad = None;
+        s.rotary = None;
+        s.dim0 = s.b;
+        s.dim1 = 3000 + s.sn + 8;
+        let data = s.data::<half::bf16>(&mut rng);
+        let run = |n: usize| {
+            let mut s = s.clone();
+            s.num_splits = n;
+            let (ks, vs) = s.cache_shapes();
+            let (mut kc, mut vc) = (data.k_cache.clone(), data.v_cache.clone());
+            flash_attn::cuda::decode::forward_host(
+                &s.spec(&data, None),
+                &Tensor::new(&data.q, &[s.b, s.sq, s.hq, s.d]),
+                &mut TensorMut::new(&mut kc, &ks),
+                &mut TensorMut::new(&mut vc, &vs),
+                &s.cache(&data),
+            )
+            .unwrap()
+        };
+        let one = run(1);
+        for n in [2, 7, 0] {
+            let many = run(n);
+            let err =
+                one.out.iter().zip(&many.out).map(|(a, b)| (a.to_f32() - b.to_f32()).abs()).fold(0.0f32, f32::max);
+            assert!(err <= 2f32.powi(-7), "{n} splits: max diff {err}");
+        }
+    }
+}

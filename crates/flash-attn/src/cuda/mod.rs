@@ -31,6 +31,7 @@
 //! the interval rules run without a predicate, the rest check the mask per element (slow for
 //! blocks smaller than the tiles: docs/cuda-notes.md).
 
+pub mod decode;
 mod kernels;
 mod launch;
 pub mod nvrtc;
@@ -105,6 +106,7 @@ pub struct Device {
     arch: Arch,
     functions: Mutex<HashMap<Variant, CudaFunction>>,
     bwd_functions: Mutex<HashMap<BwdVariant, launch::BwdFunctions>>,
+    decode_functions: Mutex<HashMap<decode::DecodeVariant, decode::DecodeFunctions>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -137,6 +139,7 @@ impl Device {
             arch: Arch::from_compute_capability(major, minor),
             functions: Mutex::new(HashMap::new()),
             bwd_functions: Mutex::new(HashMap::new()),
+            decode_functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -618,6 +621,7 @@ impl VariantReport {
 pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
     nvrtc::available()?;
     let (fwd_source, bwd_source) = (kernels::forward_source(), kernels::backward_source());
+    let decode_source = decode::decode_source();
     // (name, program, options, spill budget, Hopper-only) of every variant; a backward program
     // holds three kernels and ptxas_usage reports the largest, the main kernel's.
     let programs: Vec<(String, &str, Vec<String>, u32, bool)> = Variant::all()
@@ -627,6 +631,9 @@ pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
             BwdVariant::all()
                 .into_iter()
                 .map(|v| (v.name(), bwd_source.as_str(), v.options(), v.spill_budget(), v.wgmma)),
+        )
+        .chain(
+            decode::DecodeVariant::all().into_iter().map(|v| (v.name(), decode_source.as_str(), v.options(), 0, false)),
         )
         .collect();
     let mut reports = Vec::new();
