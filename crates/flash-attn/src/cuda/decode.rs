@@ -19,21 +19,24 @@ use crate::spec::{AttentionSpec, Causal};
 use crate::tensor::{Tensor, TensorMut};
 use crate::Output;
 
-/// Packed query rows a block takes at most (more rows go to more blocks).
-pub const MAX_ROWS_PER_BLOCK: usize = 8;
+/// Packed query rows a block takes at most, one m16 tile of the tensor cores (more rows go to
+/// more blocks).
+pub const MAX_ROWS_PER_BLOCK: usize = 16;
 
 /// Keys a split holds at least (below it the merge costs more than the parallelism buys).
-pub const MIN_KEYS_PER_SPLIT: usize = 256;
+pub const MIN_KEYS_PER_SPLIT: usize = 128;
 
 /// Largest number of splits the heuristic picks.
 pub const MAX_SPLITS: usize = 128;
 
 /// The split count for `units` blocks without splitting (sequences × kv heads × row groups) on a
-/// device of `sms` multiprocessors, `max_sk` keys in the longest sequence: enough blocks for about
-/// four waves of the device (a block is 4 warps; several run per multiprocessor), no split
-/// shorter than [`MIN_KEYS_PER_SPLIT`] keys, at most [`MAX_SPLITS`].
-pub fn splits_for(units: usize, sms: usize, max_sk: usize) -> usize {
-    let wanted = (4 * sms).div_ceil(units.max(1));
+/// device of `sms` multiprocessors that hold `resident` decode blocks each at once, `max_sk` keys
+/// in the longest sequence: one full wave of resident blocks (a second, partial wave would leave
+/// most of the device idle while it runs; measured on the H100 at b = 1, 32k keys: 32 splits
+/// 1948 GB/s where 66 gave 1358), no split shorter than [`MIN_KEYS_PER_SPLIT`] keys, at most
+/// [`MAX_SPLITS`].
+pub fn splits_for(units: usize, sms: usize, resident: usize, max_sk: usize) -> usize {
+    let wanted = (sms * resident.max(1)) / units.max(1);
     let by_length = (max_sk / MIN_KEYS_PER_SPLIT).max(1);
     wanted.min(by_length).clamp(1, MAX_SPLITS)
 }
@@ -68,6 +71,7 @@ struct DecodeParams {
     o_row: i64,
     o_head: i64,
     page_size: i32,
+    page_shift: i32,
     batch: i32,
     hq: i32,
     hk: i32,
@@ -142,38 +146,45 @@ pub struct DecodeVariant {
     pub dtype: DType,
     /// Row width: the head dim padded to 64, 128 or 256.
     pub d: usize,
-    /// Packed rows a block: 1, 2, 4 or 8.
-    pub rows: usize,
 }
 
 impl DecodeVariant {
-    /// The variant for a problem: the smallest row width and row count that hold it.
-    pub fn for_problem(dtype: DType, d: usize, rows: usize) -> Result<Self> {
+    /// The variant for a problem: the smallest row width that holds its head dim.
+    pub fn for_problem(dtype: DType, d: usize) -> Result<Self> {
         let width = [64, 128, 256].into_iter().find(|&w| d <= w).ok_or_else(|| {
             Error::Unsupported(format!("the CUDA KV-cache kernels take head dims up to 256, got {d}"))
         })?;
-        // 256-wide rows hold at most 4 packed rows in registers (8 would spill).
-        let most = if width == 256 { 4 } else { MAX_ROWS_PER_BLOCK };
-        let rows = [1, 2, 4, 8].into_iter().find(|&r| rows <= r).unwrap_or(most).min(most);
-        Ok(Self { dtype, d: width, rows })
+        Ok(Self { dtype, d: width })
     }
 
     /// Every variant (for `compile_all`).
     pub fn all() -> Vec<DecodeVariant> {
-        let mut all = Vec::new();
-        for dtype in [DType::F16, DType::BF16] {
-            for d in [64, 128, 256] {
-                for rows in [1, 2, 4, 8].into_iter().filter(|&r| d < 256 || r <= 4) {
-                    all.push(DecodeVariant { dtype, d, rows });
-                }
-            }
-        }
-        all
+        [DType::F16, DType::BF16]
+            .into_iter()
+            .flat_map(|dtype| [64, 128, 256].map(|d| DecodeVariant { dtype, d }))
+            .collect()
+    }
+
+    /// Dynamic shared memory of `flash_decode` (`FD_SMEM_BYTES`): the query tile and the
+    /// pipeline's stages of 64-key K and V tiles.
+    pub fn smem_bytes(&self) -> usize {
+        let stages = match self.d {
+            256 => 2,
+            128 => 3,
+            _ => 4,
+        };
+        MAX_ROWS_PER_BLOCK * self.d * 2 + stages * 2 * 64 * self.d * 2
+    }
+
+    /// Decode blocks a multiprocessor with `smem_per_sm` bytes of shared memory holds at once
+    /// (shared memory bounds them; 1 KB a block is the driver's reserve).
+    pub fn resident_blocks(&self, smem_per_sm: usize) -> usize {
+        (smem_per_sm / (self.smem_bytes() + 1024)).max(1)
     }
 
     /// Kernel name for the cache.
     pub fn name(&self) -> String {
-        format!("flash_decode_{}_d{}_r{}", self.dtype.name(), self.d, self.rows)
+        format!("flash_decode_{}_d{}", self.dtype.name(), self.d)
     }
 
     /// NVRTC options selecting this variant.
@@ -183,7 +194,6 @@ impl DecodeVariant {
             "-Xptxas".into(),
             "-v".into(),
             format!("-DFD_D={}", self.d),
-            format!("-DFD_R={}", self.rows),
             format!("-DFD_BF16={}", u8::from(self.dtype == DType::BF16)),
         ]
     }
@@ -219,8 +229,19 @@ impl Device {
             append: load("flash_decode_append")?,
             rotary_q: load("flash_decode_rotary_q")?,
         };
+        super::allow_dynamic_smem(&f.decode, variant.smem_bytes())?;
         map.insert(*variant, f.clone());
         Ok(f)
+    }
+
+    /// Shared memory of one multiprocessor, bytes.
+    pub fn shared_memory_per_multiprocessor(&self) -> Result<usize> {
+        use cudarc::driver::sys::CUdevice_attribute;
+        let n = self
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+            .map_err(|e| driver_error("cuDeviceGetAttribute", e))?;
+        Ok(usize::try_from(n).unwrap_or(0))
     }
 
     /// Multiprocessors of the device.
@@ -263,6 +284,7 @@ pub struct DecodeRun<T: CudaElement> {
     combine_grid: Option<(u32, u32, u32)>,
     append_grid: (u32, u32, u32),
     rotary_grid: (u32, u32, u32),
+    smem: u32,
     /// The split count in use.
     pub splits: usize,
     q: CudaSlice<T>,
@@ -310,17 +332,22 @@ impl<T: CudaElement> DecodeRun<T> {
         }
         let group = p.hq / p.hk;
         let m = p.sq * group;
-        let variant = DecodeVariant::for_problem(T::DTYPE, p.d, m)?;
+        let variant = DecodeVariant::for_problem(T::DTYPE, p.d)?;
         let dev = super::default_device()?;
         let f = dev.decode_functions(&variant)?;
         let stream = dev.stream();
         let alloc_err = |what: &'static str| move |e| driver_error(what, e);
 
-        let row_groups = m.div_ceil(variant.rows);
+        let row_groups = m.div_ceil(MAX_ROWS_PER_BLOCK);
         let max_sk = p.seqs.iter().map(|s| s.sk).max().unwrap_or(0);
         let chunks = max_sk.div_ceil(64).max(1);
         let splits = match cache.split_count() {
-            0 => splits_for(p.batch * p.hk * row_groups, dev.multiprocessors()?, max_sk),
+            0 => splits_for(
+                p.batch * p.hk * row_groups,
+                dev.multiprocessors()?,
+                variant.resident_blocks(dev.shared_memory_per_multiprocessor()?),
+                max_sk,
+            ),
             n => n,
         }
         .min(chunks);
@@ -470,6 +497,7 @@ impl<T: CudaElement> DecodeRun<T> {
             o_row: i64_of(hq * dv),
             o_head: i64_of(dv),
             page_size: i32_of("page size", page_size)?,
+            page_shift: if page_size.is_power_of_two() { page_size.trailing_zeros() as i32 } else { -1 },
             batch: i32_of("batch", p.batch)?,
             hq: i32_of("hq", p.hq)?,
             hk: i32_of("hk", p.hk)?,
@@ -518,6 +546,7 @@ impl<T: CudaElement> DecodeRun<T> {
             combine_grid,
             append_grid,
             rotary_grid,
+            smem: variant.smem_bytes() as u32,
             splits,
             q: dq,
             q_rot,
@@ -537,7 +566,7 @@ impl<T: CudaElement> DecodeRun<T> {
     /// and the merge of the splits.
     pub fn launch(&mut self) -> Result<()> {
         if let Some(a) = self.append {
-            self.launch_one(&self.f.append.clone(), self.append_grid, 128, &a, "flash_decode_append")?;
+            self.launch_one(&self.f.append.clone(), self.append_grid, 128, 0, &a, "flash_decode_append")?;
         }
         self.launch_attention()
     }
@@ -546,26 +575,28 @@ impl<T: CudaElement> DecodeRun<T> {
     /// costs once the cache holds the token (for timing).
     pub fn launch_attention(&mut self) -> Result<()> {
         if let Some(r) = self.rotary_q {
-            self.launch_one(&self.f.rotary_q.clone(), self.rotary_grid, 128, &r, "flash_decode_rotary_q")?;
+            self.launch_one(&self.f.rotary_q.clone(), self.rotary_grid, 128, 0, &r, "flash_decode_rotary_q")?;
         }
         let params = self.decode;
-        self.launch_one(&self.f.decode.clone(), self.grid, 128, &params, "flash_decode")?;
+        self.launch_one(&self.f.decode.clone(), self.grid, 128, self.smem, &params, "flash_decode")?;
         if let Some(grid) = self.combine_grid {
-            self.launch_one(&self.f.combine.clone(), grid, 128, &params, "flash_decode_combine")?;
+            self.launch_one(&self.f.combine.clone(), grid, 128, 0, &params, "flash_decode_combine")?;
         }
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn launch_one<P: DeviceRepr>(
         &self,
         f: &CudaFunction,
         grid: (u32, u32, u32),
         threads: u32,
+        smem: u32,
         params: &P,
         what: &str,
     ) -> Result<()> {
         let stream = self.dev.stream();
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem };
         let mut builder = stream.launch_builder(f);
         builder.arg(params);
         // SAFETY: the parameter block matches the kernel's struct; every pointer in it is a live

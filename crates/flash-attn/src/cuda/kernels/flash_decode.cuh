@@ -1,24 +1,22 @@
-// Attention over a KV cache (DESIGN §6): Flash-Decoding with GQA packing, on CUDA cores.
+// Attention over a KV cache (DESIGN §6): Flash-Decoding with GQA packing, on tensor cores.
 //
-// At decode shapes the work is reading the cache once: a block owns (sequence, kv head, group of
-// packed query rows, split of the keys) and streams its keys and values straight from global
-// memory, contiguous or paged (any page size), with every load 8 to 32 bytes wide and NK of them
-// in flight per thread before the first use. The packed rows of a kv head are the hq / hk query
-// heads that read it times the sq query tokens (row r = i · group + hh), so each key and value is
-// read once per kv head. A half-warp owns a key: each of its 16 threads holds D / 16 elements of
-// the key's row and of each query row, partial dot products meet by xor-shuffles, and each thread
-// accumulates its D / 16 output columns. Per-half-warp softmax states merge at the end of the
-// block; splits write normalised partial outputs and their log-sum-exp, which
-// `flash_decode_combine` merges in split order.
+// A block (4 warps) owns (sequence, kv head, group of up to 16 packed query rows, split of the
+// keys). The packed rows of a kv head are the hq / hk query heads that read it times the sq query
+// tokens (row r = i · group + hh): one m16 tile, so each key and value is read once per kv head.
+// Tiles of 64 keys, K and V, stream from the cache (contiguous, or paged with any page size: a
+// row's address comes from the block table, fetched a tile ahead) into shared memory by cp.async,
+// several stages deep; each warp multiplies its 16 keys of a tile with mma.sync m16n8k16
+// (S = Q Kᵀ, then O += P V with P rounded to the dtype, as FlashAttention-2), keeping its own
+// online-softmax state. The warps merge at the end of the block; with several splits the block
+// writes its normalised output and log-sum-exp, which `flash_decode_combine` merges in split
+// order. `flash_decode_append` writes new keys (rotated) and values into the cache first and
+// `flash_decode_rotary_q` rotates the queries.
 //
-// Compile-time: FD_D (64, 128 or 256: the row width, d padded up), FD_R (packed rows a block:
-// 1, 2, 4 or 8), FD_BF16. Elements travel as raw 16-bit words (tile.cuh's helpers convert).
+// Compile-time: FD_D (64, 128 or 256: the row width, d padded up), FD_BF16. Elements travel as
+// raw 16-bit words (tile.cuh's helpers convert).
 
 #ifndef FD_D
 #define FD_D 128
-#endif
-#ifndef FD_R
-#define FD_R 4
 #endif
 #ifndef FD_BF16
 #define FD_BF16 1
@@ -44,6 +42,7 @@ struct DecodeParams {
     long long v_page, v_row, v_head;
     long long o_batch, o_row, o_head;
     int page_size;            // paged: tokens a page
+    int page_shift;           // log2(page_size) when a power of two, else -1
     int batch, hq, hk, group, sq, d, m, splits, row_groups;
     int causal, window_left, window_right;
     float scale, scale_log2, softcap;
@@ -75,11 +74,17 @@ struct AppendParams {
 
 static constexpr int FD_WARPS = 4;
 static constexpr int FD_THREADS = FD_WARPS * 32;
-static constexpr int FD_HALVES = FD_WARPS * 2;     // half-warps a block
-static constexpr int FD_EPT = FD_D / 16;           // elements a thread holds of a row
-static constexpr int FD_WORDS = FD_EPT / 2;        // ... as 32-bit words
-static constexpr int FD_NK = FD_R <= 4 ? 4 : 2;    // keys a half-warp has in flight
+static constexpr int FD_ROWS = 16;                 // packed rows a block: one m16 tile
+static constexpr int FD_KEYS = FD_WARPS * 16;      // keys a tile: 16 a warp
+static constexpr int FD_STAGES = FD_D == 256 ? 2 : (FD_D == 128 ? 3 : 4);
+static constexpr int FD_CPR = FD_D / 8;            // 16-byte chunks a row
+static constexpr int FD_TILE_BYTES = FD_KEYS * FD_D * 2;
+static constexpr int FD_Q_BYTES = FD_ROWS * FD_D * 2;
 static constexpr int FD_CHUNK = 64;                // split boundaries are multiples of this
+// Dynamic shared memory: Q, then FD_STAGES tiles of K and of V (the merge reuses the tiles).
+static constexpr int FD_SMEM_BYTES = FD_Q_BYTES + FD_STAGES * 2 * FD_TILE_BYTES;
+static_assert(FD_THREADS % FD_CPR == 0, "tile loads must split evenly");
+static_assert(FD_WARPS * FD_ROWS * (FD_D + 2) * 4 <= FD_STAGES * 2 * FD_TILE_BYTES, "the merge must fit the tiles");
 
 // The cache slot (dimension 0, dimension 1) of cache position `pos` of sequence `b`.
 __device__ __forceinline__ void fd_slot(const int* block_table, long long bt_batch, const int* cache_row, int page_size,
@@ -91,38 +96,6 @@ __device__ __forceinline__ void fd_slot(const int* block_table, long long bt_bat
         i0 = cache_row[b];
         i1 = pos;
     }
-}
-
-// FD_EPT elements at `p` as words: zeros where the thread's columns are past `d` (d is a
-// multiple of 8, so a 16-byte piece is wholly inside or outside).
-__device__ __forceinline__ void fd_load_row(u32 (&w)[FD_WORDS], const u16* p, int col0, int d, bool valid) {
-#pragma unroll
-    for (int piece = 0; piece < (FD_WORDS + 3) / 4; ++piece) {
-        constexpr int PW = FD_WORDS < 4 ? FD_WORDS : 4;  // words a piece
-        const int col = col0 + piece * 2 * PW;
-        const bool in = valid && col < d;
-        if constexpr (PW == 4) {
-            uint4 x = make_uint4(0, 0, 0, 0);
-            if (in) x = __ldg(reinterpret_cast<const uint4*>(p + piece * 8));
-            w[piece * 4 + 0] = x.x;
-            w[piece * 4 + 1] = x.y;
-            w[piece * 4 + 2] = x.z;
-            w[piece * 4 + 3] = x.w;
-        } else {
-            uint2 x = make_uint2(0, 0);
-            if (in) x = __ldg(reinterpret_cast<const uint2*>(p));
-            w[0] = x.x;
-            w[1] = x.y;
-        }
-    }
-}
-
-// Sum over the 16 threads of a half-warp (xor partners stay inside it).
-__device__ __forceinline__ float fd_half_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 8);
-    x += __shfl_xor_sync(0xffffffffu, x, 4);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    return x + __shfl_xor_sync(0xffffffffu, x, 1);
 }
 
 // Keys [lo, hi) of split `s` of `n` over `sk` keys, in whole chunks of FD_CHUNK keys (the CPU's
@@ -147,16 +120,27 @@ __device__ __forceinline__ void fd_span(const DecodeParams& p, int i, int sk, in
     hi = max(min(hi, sk), lo);
 }
 
+// One score in exp2 units after the modifiers, or -inf where key j is hidden from packed row r.
+__device__ __forceinline__ float fd_score(const DecodeParams& p, float dot, int r, int rows, int tok, float slope, int j,
+                                          int hi, int vlo, int vhi, int off, bool plain) {
+    if (r >= rows || j >= hi || j < vlo || j >= vhi) return -FA_INF;
+    if (plain) return dot * p.scale_log2;
+    float x = dot * p.scale;
+    if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+    x -= slope * fabsf((float)(tok + off - j));
+    return x * FA_LOG2E;
+}
+
 extern "C" __global__ void __launch_bounds__(FD_THREADS) flash_decode(const DecodeParams p) {
     const int split = blockIdx.x;
     const int kv = blockIdx.y / p.row_groups, rg = blockIdx.y % p.row_groups;
     const int b = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int half = warp * 2 + lane / 16, l16 = lane % 16;
-    const int col0 = l16 * FD_EPT;
-    const int r0 = rg * FD_R;
-    const int rows = min(FD_R, p.m - r0);
+    const int g = lane / 4, t4 = lane % 4;
+    const int r0 = rg * FD_ROWS;
+    const int rows = min(FD_ROWS, p.m - r0);
     const int sk = p.sk[b], start = p.start[b];
+    const int off = sk - p.sq;
 
     // The block's keys: its split, cut to what its rows can see.
     int lo, hi;
@@ -170,142 +154,195 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS) flash_decode(const Deco
         if (hi < lo) hi = lo;
     }
 
-    // This thread's columns of each packed row of q, in f32.
-    float qf[FD_R][FD_EPT];
-    int tok[FD_R], head[FD_R];
-    float slope[FD_R];
-#pragma unroll
-    for (int r = 0; r < FD_R; ++r) {
-        const int rr = min(r0 + r, p.m - 1);
-        tok[r] = rr / p.group;
-        head[r] = kv * p.group + rr % p.group;
-        slope[r] = p.alibi ? p.alibi[b * p.hq + head[r]] : 0.f;
-        u32 w[FD_WORDS];
-        fd_load_row(w, p.q + b * p.q_batch + tok[r] * p.q_row + head[r] * p.q_head + col0, col0, p.d, true);
-#pragma unroll
-        for (int e = 0; e < FD_WORDS; ++e) {
-            qf[r][2 * e] = to_f32<FD_BF16>(w[e]);
-            qf[r][2 * e + 1] = to_f32<FD_BF16>(w[e] >> 16);
-        }
-    }
+    extern __shared__ __align__(128) unsigned char fd_smem[];
+    const u32 sQ = smem_addr(fd_smem);
+    const u32 sK = sQ + FD_Q_BYTES;
+    const u32 sV = sK + FD_STAGES * FD_TILE_BYTES;
+    const int ch = threadIdx.x % FD_CPR, row0 = threadIdx.x / FD_CPR;
+    constexpr int ROW_STEP = FD_THREADS / FD_CPR;
+    const bool col_in = ch * 8 < p.d;
 
-    float o[FD_R][FD_EPT], m_run[FD_R], l_run[FD_R];
+    // Q: the block's packed rows (zero past `rows` and past d), swizzled for ldmatrix.
+    for (int r = row0; r < FD_ROWS; r += ROW_STEP) {
+        const int rr = min(r0 + r, p.m - 1);
+        const u16* src = p.q + b * p.q_batch + (rr / p.group) * p.q_row + (kv * p.group + rr % p.group) * p.q_head + ch * 8;
+        const bool valid = r < rows && col_in;
+        cp_async_16(sQ + swizzled_offset<FD_D>(r, ch), valid ? src : p.q, valid);
+    }
+    cp_async_commit();
+
+    // K and V tiles of FD_KEYS keys stream through FD_STAGES shared-memory stages by cp.async.
+    // A thread copies chunk `ch` of rows row0, row0 + ROW_STEP, ... of each tile. The cache rows
+    // (pages) of the next tile's keys are fetched one tile ahead, so the block table's latency
+    // never stands between a tile and its copy.
+    constexpr int RPT = FD_KEYS / ROW_STEP;
+    int pg[RPT];
+    auto fetch_pages = [&](int tile) {
+        const int jt = lo + tile * FD_KEYS;
 #pragma unroll
-    for (int r = 0; r < FD_R; ++r) {
-        m_run[r] = -FA_INF;
-        l_run[r] = 0.f;
+        for (int i = 0; i < RPT; ++i) {
+            const int j = jt + row0 + i * ROW_STEP;
+            if (p.block_table == nullptr) {
+                pg[i] = p.cache_row[b];
+            } else if (j < hi) {
+                const int pos = start + j;
+                const int page = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
+                pg[i] = p.block_table[(long long)b * p.bt_batch + page];
+            } else {
+                pg[i] = 0;
+            }
+        }
+    };
+    auto load_tile = [&](int tile, int stage) {
+        const int jt = lo + tile * FD_KEYS;
 #pragma unroll
-        for (int e = 0; e < FD_EPT; ++e) o[r][e] = 0.f;
+        for (int i = 0; i < RPT; ++i) {
+            const int kk = row0 + i * ROW_STEP;
+            const int j = jt + kk;
+            const bool valid = j < hi && col_in;
+            const int pos = start + j;
+            const long long i1 = p.block_table == nullptr
+                                     ? pos
+                                     : (p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size);
+            const u16* kg = p.k + (long long)pg[i] * p.k_page + i1 * p.k_row + kv * p.k_head + ch * 8;
+            const u16* vg = p.v + (long long)pg[i] * p.v_page + i1 * p.v_row + kv * p.v_head + ch * 8;
+            const u32 at = stage * FD_TILE_BYTES + swizzled_offset<FD_D>(kk, ch);
+            cp_async_16(sK + at, valid ? kg : p.k, valid);
+            cp_async_16(sV + at, valid ? vg : p.v, valid);
+        }
+    };
+    const int tiles = (hi - lo + FD_KEYS - 1) / FD_KEYS;
+#pragma unroll
+    for (int st = 0; st < FD_STAGES - 1; ++st) {
+        if (st < tiles) {
+            fetch_pages(st);
+            load_tile(st, st);
+        }
+        cp_async_commit();
+    }
+    // 256-wide rows leave no registers for the pages of a tile ahead: they are fetched in place.
+    constexpr bool AHEAD = FD_D < 256;
+    if (AHEAD && FD_STAGES - 1 < tiles) fetch_pages(FD_STAGES - 1);
+
+    // Rows g and g + 8 of the m16 tile are this thread's: their tokens, heads and spans.
+    int tok[2], vlo[2], vhi[2];
+    float slope[2];
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+        const int rr = min(r0 + g + 8 * h2, p.m - 1);
+        tok[h2] = rr / p.group;
+        slope[h2] = p.alibi ? p.alibi[b * p.hq + kv * p.group + rr % p.group] : 0.f;
+        fd_span(p, tok[h2], sk, vlo[h2], vhi[h2]);
     }
     const bool plain = p.softcap <= 0.f && p.alibi == nullptr;
-    const int off = sk - p.sq;
 
-    for (int jb = lo; jb < hi; jb += FD_HALVES * FD_NK) {
-        u32 kw[FD_NK][FD_WORDS], vw[FD_NK][FD_WORDS];
-        int jk[FD_NK];
+    FragA qa[FD_D / 16];
+    FragC o[FD_D / 8];
 #pragma unroll
-        for (int t = 0; t < FD_NK; ++t) {
-            jk[t] = jb + t * FD_HALVES + half;
-            const bool valid = jk[t] < hi;
-            long long i0 = 0, i1 = 0;
-            if (valid) fd_slot(p.block_table, p.bt_batch, p.cache_row, p.page_size, b, start + jk[t], i0, i1);
-            fd_load_row(kw[t], p.k + i0 * p.k_page + i1 * p.k_row + kv * p.k_head + col0, col0, p.d, valid);
-            fd_load_row(vw[t], p.v + i0 * p.v_page + i1 * p.v_row + kv * p.v_head + col0, col0, p.d, valid);
+    for (int nt = 0; nt < FD_D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt].x[e] = 0.f;
+    float m_run[2] = {-FA_INF, -FA_INF}, l_run[2] = {0.f, 0.f};
+    bool q_loaded = false;
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        cp_async_wait<FD_STAGES - 2>();
+        __syncthreads();
+        if (!q_loaded) {
+#pragma unroll
+            for (int kk = 0; kk < FD_D / 16; ++kk) qa[kk] = load_a<FD_D>(sQ, 0, kk, lane);
+            q_loaded = true;
         }
-        float s[FD_NK][FD_R];
-#pragma unroll
-        for (int t = 0; t < FD_NK; ++t) {
-            float kf[FD_EPT];
-#pragma unroll
-            for (int e = 0; e < FD_WORDS; ++e) {
-                kf[2 * e] = to_f32<FD_BF16>(kw[t][e]);
-                kf[2 * e + 1] = to_f32<FD_BF16>(kw[t][e] >> 16);
-            }
-#pragma unroll
-            for (int r = 0; r < FD_R; ++r) {
-                float acc = 0.f;
-#pragma unroll
-                for (int e = 0; e < FD_EPT; ++e) acc = fmaf(qf[r][e], kf[e], acc);
-                s[t][r] = fd_half_sum(acc);
-            }
+        // The stage refilled now was read in the previous iteration, which every thread left
+        // before the barrier above.
+        if (tile + FD_STAGES - 1 < tiles) {
+            if (!AHEAD) fetch_pages(tile + FD_STAGES - 1);
+            load_tile(tile + FD_STAGES - 1, (tile + FD_STAGES - 1) % FD_STAGES);
         }
-        // Scores in exp2 units, masked.
+        cp_async_commit();
+        if (AHEAD && tile + FD_STAGES < tiles) fetch_pages(tile + FD_STAGES);
+        const int stage = tile % FD_STAGES;
+        const u32 tK = sK + stage * FD_TILE_BYTES, tV = sV + stage * FD_TILE_BYTES;
+
+        // S = Q Kᵀ for this warp's 16 keys.
+        FragC s[2];
 #pragma unroll
-        for (int r = 0; r < FD_R; ++r) {
-            int vlo, vhi;
-            fd_span(p, tok[r], sk, vlo, vhi);
-            float mx = m_run[r];
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int t = 0; t < FD_NK; ++t) {
-                float x;
-                if (plain) {
-                    x = s[t][r] * p.scale_log2;
-                } else {
-                    x = s[t][r] * p.scale;
-                    if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
-                    x -= slope[r] * fabsf((float)(tok[r] + off - jk[t]));
-                    x *= FA_LOG2E;
+            for (int e = 0; e < 4; ++e) s[nt].x[e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < FD_D / 16; ++kk) {
+            FragB b0, b1;
+            load_b_pair<FD_D>(tK, 16 * warp, kk, lane, b0, b1);
+            mma<FD_BF16>(s[0], qa[kk], b0);
+            mma<FD_BF16>(s[1], qa[kk], b1);
+        }
+        // Scores in exp2 units, masked; the online softmax of rows g and g + 8.
+        const int jw = lo + tile * FD_KEYS + 16 * warp;
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+            const int r = g + 8 * h2;
+            float mx = -FA_INF;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = jw + 8 * nt + 2 * t4 + e;
+                    float& x = s[nt].x[2 * h2 + e];
+                    x = fd_score(p, x, r, rows, tok[h2], slope[h2], j, hi, vlo[h2], vhi[h2], off, plain);
+                    mx = fmaxf(mx, x);
                 }
-                const bool vis = r < rows && jk[t] >= vlo && jk[t] < vhi;
-                s[t][r] = vis ? x : -FA_INF;
-                mx = fmaxf(mx, s[t][r]);
-            }
-            // Rescale what was accumulated under the old maximum (nothing while none is finite).
-            const float alpha = mx == -FA_INF ? 1.f : fast_exp2(m_run[r] - mx);
+            mx = fmaxf(quad_max(mx), m_run[h2]);
+            const float alpha = mx == -FA_INF ? 1.f : fast_exp2(m_run[h2] - mx);
             float sum = 0.f;
-            float pk[FD_NK];
 #pragma unroll
-            for (int t = 0; t < FD_NK; ++t) {
-                pk[t] = s[t][r] == -FA_INF ? 0.f : fast_exp2(s[t][r] - mx);
-                sum += pk[t];
-            }
-            m_run[r] = mx;
-            l_run[r] = l_run[r] * alpha + sum;
+            for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int e = 0; e < FD_WORDS; ++e) {
-                float a0 = o[r][2 * e] * alpha, a1 = o[r][2 * e + 1] * alpha;
-#pragma unroll
-                for (int t = 0; t < FD_NK; ++t) {
-                    // A masked key (p = 0) must not bring 0 · inf from its values.
-                    if (pk[t] != 0.f) {
-                        a0 = fmaf(pk[t], to_f32<FD_BF16>(vw[t][e]), a0);
-                        a1 = fmaf(pk[t], to_f32<FD_BF16>(vw[t][e] >> 16), a1);
-                    }
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[nt].x[2 * h2 + e];
+                    x = x == -FA_INF ? 0.f : fast_exp2(x - mx);
+                    sum += x;
                 }
-                o[r][2 * e] = a0;
-                o[r][2 * e + 1] = a1;
+            m_run[h2] = mx;
+            l_run[h2] = l_run[h2] * alpha + sum;
+#pragma unroll
+            for (int nt = 0; nt < FD_D / 8; ++nt) {
+                o[nt].x[2 * h2] *= alpha;
+                o[nt].x[2 * h2 + 1] *= alpha;
             }
+        }
+        // O += P V: P rounded to the dtype (as FlashAttention-2), V transposed on load.
+        const FragA pa = scores_to_a<FD_BF16>(s[0], s[1]);
+#pragma unroll
+        for (int dp = 0; dp < FD_D / 16; ++dp) {
+            FragB b0, b1;
+            load_b_pair_trans<FD_D>(tV, 16 * warp, dp, lane, b0, b1);
+            mma<FD_BF16>(o[2 * dp], pa, b0);
+            mma<FD_BF16>(o[2 * dp + 1], pa, b1);
         }
     }
 
-    // Merge the two half-warps of each warp (lanes l and l ^ 16 hold the same columns), then the
-    // warps through shared memory.
+    // Each warp's rows: sums over its quads; then the warps merge through shared memory.
 #pragma unroll
-    for (int r = 0; r < FD_R; ++r) {
-        const float m_other = __shfl_xor_sync(0xffffffffu, m_run[r], 16);
-        const float l_other = __shfl_xor_sync(0xffffffffu, l_run[r], 16);
-        const float mx = fmaxf(m_run[r], m_other);
-        const float a = mx == -FA_INF ? 0.f : fast_exp2(m_run[r] - mx);
-        const float c = mx == -FA_INF ? 0.f : fast_exp2(m_other - mx);
+    for (int h2 = 0; h2 < 2; ++h2) l_run[h2] = quad_sum(l_run[h2]);
+    cp_async_wait<0>();
+    __syncthreads();
+    float* sm = reinterpret_cast<float*>(fd_smem + FD_Q_BYTES);
+    float (*sm_o)[FD_ROWS][FD_D] = reinterpret_cast<float (*)[FD_ROWS][FD_D]>(sm);
+    float (*sm_m)[FD_ROWS] = reinterpret_cast<float (*)[FD_ROWS]>(sm + FD_WARPS * FD_ROWS * FD_D);
+    float (*sm_l)[FD_ROWS] = reinterpret_cast<float (*)[FD_ROWS]>(sm + FD_WARPS * FD_ROWS * (FD_D + 1));
 #pragma unroll
-        for (int e = 0; e < FD_EPT; ++e) {
-            const float other = __shfl_xor_sync(0xffffffffu, o[r][e], 16);
-            o[r][e] = o[r][e] * a + other * c;
+    for (int nt = 0; nt < FD_D / 8; ++nt)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+            sm_o[warp][g + 8 * h2][8 * nt + 2 * t4] = o[nt].x[2 * h2];
+            sm_o[warp][g + 8 * h2][8 * nt + 2 * t4 + 1] = o[nt].x[2 * h2 + 1];
         }
-        l_run[r] = l_run[r] * a + l_other * c;
-        m_run[r] = mx;
-    }
-    __shared__ float sm_m[FD_WARPS][FD_R], sm_l[FD_WARPS][FD_R];
-    __shared__ float sm_o[FD_WARPS][FD_R][FD_D];
-    if (lane < 16) {
+    if (t4 == 0) {
 #pragma unroll
-        for (int r = 0; r < FD_R; ++r) {
-#pragma unroll
-            for (int e = 0; e < FD_EPT; ++e) sm_o[warp][r][col0 + e] = o[r][e];
-            if (l16 == 0) {
-                sm_m[warp][r] = m_run[r];
-                sm_l[warp][r] = l_run[r];
-            }
+        for (int h2 = 0; h2 < 2; ++h2) {
+            sm_m[warp][g + 8 * h2] = m_run[h2];
+            sm_l[warp][g + 8 * h2] = l_run[h2];
         }
     }
     __syncthreads();
@@ -342,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS) flash_decode(const Deco
 
 // Merges the splits' partial outputs of one packed row by their log-sum-exp, in split order.
 // Grid (m, hk, b); FD_THREADS threads over the row's columns.
-extern "C" __global__ void __launch_bounds__(FD_THREADS) flash_decode_combine(const DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(FD_THREADS, 1) flash_decode_combine(const DecodeParams p) {
     const int rr = blockIdx.x, kv = blockIdx.y, b = blockIdx.z;
     const long long base = (((long long)b * p.hk + kv) * p.splits) * p.m + rr;
     float mx = -FA_INF;
