@@ -285,10 +285,12 @@ pub struct DecodeRun<T: CudaElement> {
     append_grid: (u32, u32, u32),
     rotary_grid: (u32, u32, u32),
     smem: u32,
+    /// Nothing to compute (a zero-sized batch, query or head dimension).
+    empty: bool,
     /// The split count in use.
     pub splits: usize,
-    q: CudaSlice<T>,
-    q_rot: Option<CudaSlice<T>>,
+    _q: CudaSlice<T>,
+    _q_rot: Option<CudaSlice<T>>,
     k: CudaSlice<T>,
     v: CudaSlice<T>,
     o: CudaSlice<T>,
@@ -547,9 +549,10 @@ impl<T: CudaElement> DecodeRun<T> {
             append_grid,
             rotary_grid,
             smem: variant.smem_bytes() as u32,
+            empty: p.batch == 0 || p.sq == 0 || p.hq == 0,
             splits,
-            q: dq,
-            q_rot,
+            _q: dq,
+            _q_rot: q_rot,
             k: dk,
             v: dvv,
             o,
@@ -563,8 +566,12 @@ impl<T: CudaElement> DecodeRun<T> {
     }
 
     /// Enqueues the whole call: the append (if any), the query rotation (if any), the attention
-    /// and the merge of the splits.
+    /// and the merge of the splits. An empty batch (no sequence, no query, no head) launches
+    /// nothing.
     pub fn launch(&mut self) -> Result<()> {
+        if self.empty {
+            return Ok(());
+        }
         if let Some(a) = self.append {
             self.launch_one(&self.f.append.clone(), self.append_grid, 128, 0, &a, "flash_decode_append")?;
         }
@@ -574,6 +581,9 @@ impl<T: CudaElement> DecodeRun<T> {
     /// Enqueues the query rotation (if any), the attention and the merge: what a decode step
     /// costs once the cache holds the token (for timing).
     pub fn launch_attention(&mut self) -> Result<()> {
+        if self.empty {
+            return Ok(());
+        }
         if let Some(r) = self.rotary_q {
             self.launch_one(&self.f.rotary_q.clone(), self.rotary_grid, 128, 0, &r, "flash_decode_rotary_q")?;
         }
@@ -624,7 +634,6 @@ impl<T: CudaElement> DecodeRun<T> {
         stream.synchronize().map_err(err("synchronize"))?;
         out.truncate(self.out_shape.iter().product());
         lse.truncate(self.lse_shape.iter().product());
-        let _ = (&self.q, &self.q_rot);
         Ok((Output { out, out_shape: self.out_shape.clone(), lse, lse_shape: self.lse_shape.clone() }, k, v))
     }
 }
