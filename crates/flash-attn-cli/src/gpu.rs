@@ -76,6 +76,16 @@ pub trait GpuElement: Element {
 
     /// As [`GpuElement::time_forward`], each timed call one forward followed by one backward.
     fn time_forward_backward(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing>;
+
+    /// A KV-cache call on GPU 0 for host buffers (`flash_attn::cuda::decode::forward_host`): the
+    /// caches are updated in place.
+    fn kvcache(
+        spec: &AttentionSpec<'_>,
+        q: &Tensor<'_, Self>,
+        k_cache: &mut flash_attn::TensorMut<'_, Self>,
+        v_cache: &mut flash_attn::TensorMut<'_, Self>,
+        cache: &flash_attn::kvcache::KvCache<'_, Self>,
+    ) -> Result<Output<Self>>;
 }
 
 /// The event-timed median of `bench --decode` on the GPU.
@@ -142,6 +152,16 @@ mod imp {
                 }
 
                 fn time_forward_backward(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
+                    Err(not_built())
+                }
+
+                fn kvcache(
+                    _: &AttentionSpec<'_>,
+                    _: &Tensor<'_, Self>,
+                    _: &mut flash_attn::TensorMut<'_, Self>,
+                    _: &mut flash_attn::TensorMut<'_, Self>,
+                    _: &flash_attn::kvcache::KvCache<'_, Self>,
+                ) -> Result<Output<Self>> {
                     Err(not_built())
                 }
             }
@@ -476,6 +496,16 @@ mod imp {
                 ) -> Result<Timing> {
                     time_typed::<$t>(spec, shapes, min_runs, true)
                 }
+
+                fn kvcache(
+                    spec: &AttentionSpec<'_>,
+                    q: &Tensor<'_, Self>,
+                    k_cache: &mut flash_attn::TensorMut<'_, Self>,
+                    v_cache: &mut flash_attn::TensorMut<'_, Self>,
+                    cache: &flash_attn::kvcache::KvCache<'_, Self>,
+                ) -> Result<Output<Self>> {
+                    Ok(cuda::decode::forward_host(spec, q, k_cache, v_cache, cache)?)
+                }
             }
         )*};
     }
@@ -508,6 +538,16 @@ mod imp {
         }
 
         fn time_forward_backward(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
+            Err(f32_unsupported())
+        }
+
+        fn kvcache(
+            _: &AttentionSpec<'_>,
+            _: &Tensor<'_, Self>,
+            _: &mut flash_attn::TensorMut<'_, Self>,
+            _: &mut flash_attn::TensorMut<'_, Self>,
+            _: &flash_attn::kvcache::KvCache<'_, Self>,
+        ) -> Result<Output<Self>> {
             Err(f32_unsupported())
         }
     }

@@ -39,7 +39,8 @@ struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run attention on the tensors of a safetensors file and write `out` and `lse`.
+    /// Run attention on the tensors of a safetensors file and write `out` and `lse` (in KV-cache
+    /// mode also the updated `k_cache` and `v_cache`).
     Run(run::RunArgs),
     /// Compare the backend with the f64 oracle on random cases (the numerics contract).
     Check(check::CheckArgs),

@@ -1,11 +1,13 @@
 //! `flash-attn run`: attention on the tensors of a safetensors file (DESIGN §5): the forward pass,
-//! optionally with dropout, and with `--backward` the gradients of a given `dout`.
+//! optionally with dropout, and with `--backward` the gradients of a given `dout`; or, when the
+//! file holds a KV cache, one inference step of `flash_attn::kvcache` (DESIGN §6).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use flash_attn::{AttentionSpec, DType, Dropout, Tensor, TensorMut};
+use flash_attn::kvcache::{self, KvCache};
+use flash_attn::{AttentionSpec, DType, Dropout, Output, Tensor, TensorMut};
 use half::{bf16, f16};
 use safetensors::Dtype;
 
@@ -20,11 +22,18 @@ pub struct RunArgs {
     /// safetensors file with `q`, `k`, `v` (F32, F16 or BF16); optional `cu_seqlens_q` and
     /// `cu_seqlens_k` (I32, packed varlen), `alibi_slopes` (F32 [hq] or [b, hq]), `block_mask`
     /// (U8 or BOOL, nonzero = visible); `dout` (dtype of q, shape of out) for `--backward`.
+    /// KV-cache mode when it holds `k_cache`, `v_cache` ([b_cache, s_cache, hk, d|dv], or
+    /// [num_pages, page_size, hk, d|dv] with `block_table` I32 [b, max_pages]) and
+    /// `cache_seqlens` (I32 [b]): `q` is [b, sq, hq, d]; optional new tokens `k`, `v`
+    /// ([b, sn, hk, d|dv], appended in place), `cache_batch_idx`, `cache_leftpad` (I32 [b]),
+    /// `rotary_cos`, `rotary_sin` ([max_pos, rd/2]), `alibi_slopes`; one dtype but for the I32
+    /// indices and the F32 slopes.
     #[arg(long, value_name = "IN.safetensors")]
     input: PathBuf,
 
     /// File to write `out` (dtype of q) and `lse` (F32) to, with `--backward` also `dq`, `dk`,
-    /// `dv`; untouched if anything fails.
+    /// `dv`, in KV-cache mode also the updated `k_cache` and `v_cache`; untouched if anything
+    /// fails.
     #[arg(long, value_name = "OUT.safetensors")]
     output: PathBuf,
 
@@ -75,6 +84,16 @@ pub struct RunArgs {
     /// `dq`, `dk`, `dv` (dtype of q; shapes of q, k, v).
     #[arg(long)]
     backward: bool,
+
+    /// KV-cache mode: rotary embedding on GPT-J pairs (2i, 2i+1) rather than GPT-NeoX's
+    /// half-split pairs (i, i + rd/2); needs `rotary_cos` and `rotary_sin` in the input.
+    #[arg(long)]
+    rotary_interleaved: bool,
+
+    /// KV-cache mode: split each sequence's keys into N parts merged by their log-sum-exp
+    /// (Flash-Decoding); 0, the default, lets the library's heuristic choose.
+    #[arg(long, value_name = "N")]
+    num_splits: Option<usize>,
 }
 
 /// Parses `A,B`.
@@ -94,7 +113,13 @@ pub fn main(args: &RunArgs) -> Result<ExitCode> {
     let _spinner = Progress::spinner(if args.backward { "attention forward + backward" } else { "attention" });
     let bytes = safetensors_io::read_file(&args.input)?;
     let input = Input::parse(&bytes, &args.input)?;
-    let outputs = attend(args, dropout, &input)?;
+    let outputs = if is_kvcache(&input)? {
+        kvcache_flags(args, dropout)?;
+        kvcache_attend(args, &input)?
+    } else {
+        attention_flags(args)?;
+        attend(args, dropout, &input)?
+    };
     safetensors_io::write_atomically(&args.output, &outputs)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -125,12 +150,19 @@ fn dropout_setting(args: &RunArgs) -> Result<Option<Dropout>> {
     }
 }
 
-/// The element type of `q`, `k` and `v`, which must agree.
-fn input_dtype(input: &Input<'_>) -> Result<DType> {
+/// The element type of the tensors `required` (which the file must have) and `optional` (where
+/// present), which must agree; `group` names them all for the message.
+fn input_dtype(input: &Input<'_>, required: &[&str], optional: &[&str], group: &str) -> Result<DType> {
     let mut dtype = None;
-    for name in ["q", "k", "v"] {
-        let t = input.require(name)?.dtype();
-        let this = match t {
+    for &name in required.iter().chain(optional) {
+        let view = if required.contains(&name) {
+            input.require(name)?
+        } else if let Some(view) = input.get(name)? {
+            view
+        } else {
+            continue;
+        };
+        let this = match view.dtype() {
             Dtype::F32 => DType::F32,
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
@@ -140,7 +172,7 @@ fn input_dtype(input: &Input<'_>) -> Result<DType> {
             None => dtype = Some(this),
             Some(q) if q != this => {
                 return Err(CliError::new(format!(
-                    "`{name}` is {} but `q` is {}; q, k and v must share one dtype",
+                    "`{name}` is {} but `q` is {}; {group} must share one dtype",
                     this.name().to_uppercase(),
                     q.name().to_uppercase()
                 )))
@@ -152,7 +184,7 @@ fn input_dtype(input: &Input<'_>) -> Result<DType> {
 }
 
 fn attend(args: &RunArgs, dropout: Option<Dropout>, input: &Input<'_>) -> Result<Vec<(&'static str, OwnedTensor)>> {
-    match input_dtype(input)? {
+    match input_dtype(input, &["q", "k", "v"], &[], "q, k and v")? {
         DType::F32 => attend_typed::<f32>(args, dropout, input),
         DType::F16 => attend_typed::<f16>(args, dropout, input),
         DType::BF16 => attend_typed::<bf16>(args, dropout, input),
@@ -181,13 +213,7 @@ struct Extras {
 }
 
 fn read_extras(args: &RunArgs, input: &Input<'_>) -> Result<Extras> {
-    let cu = |name: &str| -> Result<Option<Vec<i32>>> {
-        let Some(t) = input.get(name)? else { return Ok(None) };
-        if t.shape().len() != 1 {
-            return Err(CliError::new(format!("`{name}` must have 1 dimension ([b + 1]), got shape {:?}", t.shape())));
-        }
-        safetensors_io::decode::<i32>(name, &t).map(Some)
-    };
+    let cu = |name: &str| index_vector(input, name, "[b + 1]");
     let cu_seqlens = match (cu("cu_seqlens_q")?, cu("cu_seqlens_k")?) {
         (Some(q), Some(k)) => Some((q, k)),
         (None, None) => None,
@@ -199,10 +225,7 @@ fn read_extras(args: &RunArgs, input: &Input<'_>) -> Result<Extras> {
         }
     };
 
-    let alibi = match input.get("alibi_slopes")? {
-        Some(t) => Some(Owned { data: safetensors_io::decode::<f32>("alibi_slopes", &t)?, shape: t.shape().to_vec() }),
-        None => None,
-    };
+    let alibi = optional_tensor::<f32>(input, "alibi_slopes")?;
 
     let block_mask = match (input.get("block_mask")?, args.block_size) {
         (None, None) => None,
@@ -219,6 +242,27 @@ fn read_extras(args: &RunArgs, input: &Input<'_>) -> Result<Extras> {
         }
     };
     Ok(Extras { cu_seqlens, alibi, block_mask })
+}
+
+/// The I32 vector `name` (`layout` names its one dimension for the message), if the file has it.
+fn index_vector(input: &Input<'_>, name: &str, layout: &str) -> Result<Option<Vec<i32>>> {
+    let Some(t) = input.get(name)? else { return Ok(None) };
+    if t.shape().len() != 1 {
+        return Err(CliError::new(format!("`{name}` must have 1 dimension ({layout}), got shape {:?}", t.shape())));
+    }
+    safetensors_io::decode::<i32>(name, &t).map(Some)
+}
+
+/// The tensor `name` decoded as `T` (its dtype must be `T`'s), if the file has it.
+fn optional_tensor<T: LeScalar>(input: &Input<'_>, name: &str) -> Result<Option<Owned<T>>> {
+    let Some(t) = input.get(name)? else { return Ok(None) };
+    Ok(Some(Owned { data: safetensors_io::decode::<T>(name, &t)?, shape: t.shape().to_vec() }))
+}
+
+/// The tensor `name` decoded as `T`, which the file must have.
+fn required_tensor<T: LeScalar>(input: &Input<'_>, name: &str) -> Result<Owned<T>> {
+    let t = input.require(name)?;
+    Ok(Owned { data: safetensors_io::decode::<T>(name, &t)?, shape: t.shape().to_vec() })
 }
 
 /// The spec the flags and the file's optional tensors describe.
@@ -279,12 +323,7 @@ fn attend_typed<T: GpuElement + LeScalar>(
     dropout: Option<Dropout>,
     input: &Input<'_>,
 ) -> Result<Vec<(&'static str, OwnedTensor)>> {
-    let views = [input.require("q")?, input.require("k")?, input.require("v")?];
-    let [q, k, v] = [
-        Owned { data: safetensors_io::decode::<T>("q", &views[0])?, shape: views[0].shape().to_vec() },
-        Owned { data: safetensors_io::decode::<T>("k", &views[1])?, shape: views[1].shape().to_vec() },
-        Owned { data: safetensors_io::decode::<T>("v", &views[2])?, shape: views[2].shape().to_vec() },
-    ];
+    let [q, k, v] = [required_tensor::<T>(input, "q")?, required_tensor(input, "k")?, required_tensor(input, "v")?];
     let extras = read_extras(args, input)?;
     let dout = if args.backward { Some(read_dout::<T>(args, input)?) } else { None };
     let spec = spec(args, &extras, dropout);
@@ -351,6 +390,167 @@ fn attend_typed<T: GpuElement + LeScalar>(
         ]);
     }
     Ok(outputs)
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV-cache mode (DESIGN §6)
+// ---------------------------------------------------------------------------------------------
+
+/// The tensors whose presence selects KV-cache mode; it needs all of them.
+const KV_CACHE_TENSORS: [&str; 3] = ["k_cache", "v_cache", "cache_seqlens"];
+
+/// Tensors of the KV-cache element type besides `q`, where present.
+const KV_OPTIONAL_ELEMENTS: [&str; 4] = ["k", "v", "rotary_cos", "rotary_sin"];
+
+/// Whether the file asks for KV-cache mode: all of [`KV_CACHE_TENSORS`], or none of them for
+/// normal mode; some but not all is an error rather than a silent fall back to normal mode.
+fn is_kvcache(input: &Input<'_>) -> Result<bool> {
+    let mut missing = Vec::new();
+    for name in KV_CACHE_TENSORS {
+        if input.get(name)?.is_none() {
+            missing.push(format!("`{name}`"));
+        }
+    }
+    match missing.len() {
+        0 => Ok(true),
+        n if n == KV_CACHE_TENSORS.len() => Ok(false),
+        _ => Err(CliError::new(format!(
+            "KV-cache mode needs `k_cache`, `v_cache` and `cache_seqlens`; the input lacks {}",
+            missing.join(" and ")
+        ))),
+    }
+}
+
+/// Flags that only KV-cache mode reads are errors in normal mode, not silently ignored.
+fn attention_flags(args: &RunArgs) -> Result<()> {
+    let flag = if args.rotary_interleaved {
+        "--rotary-interleaved"
+    } else if args.num_splits.is_some() {
+        "--num-splits"
+    } else {
+        return Ok(());
+    };
+    Err(CliError::new(format!(
+        "`{flag}` applies to KV-cache mode only (an input with `k_cache`, `v_cache` and `cache_seqlens`)"
+    )))
+}
+
+/// Flags of training and of normal mode's options that a KV-cache call does not take.
+fn kvcache_flags(args: &RunArgs, dropout: Option<Dropout>) -> Result<()> {
+    let (flag, why) = if args.backward {
+        ("--backward", "a KV-cache call is an inference forward pass, with no gradients")
+    } else if dropout.is_some() {
+        ("--dropout", "a KV-cache call is an inference forward pass, with no dropout")
+    } else if args.block_size.is_some() {
+        ("--block-size", "a KV-cache call takes no block mask")
+    } else {
+        return Ok(());
+    };
+    Err(CliError::new(format!(
+        "`{flag}` is not available in KV-cache mode (the input holds `k_cache`, `v_cache` and `cache_seqlens`): {why}"
+    )))
+}
+
+/// KV-cache mode: rejects the tensors of normal mode's options, then dispatches on the dtype.
+fn kvcache_attend(args: &RunArgs, input: &Input<'_>) -> Result<Vec<(&'static str, OwnedTensor)>> {
+    let unsupported = [
+        ("block_mask", "a KV-cache call takes no block mask"),
+        ("cu_seqlens_q", "lengths come from `cache_seqlens`"),
+        ("cu_seqlens_k", "lengths come from `cache_seqlens`"),
+    ];
+    for (name, why) in unsupported {
+        if input.get(name)?.is_some() {
+            return Err(CliError::new(format!(
+                "`{name}` is not available in KV-cache mode (the input holds `k_cache`, `v_cache` and \
+                 `cache_seqlens`): {why}"
+            )));
+        }
+    }
+    let group = "q, k_cache, v_cache, k, v, rotary_cos and rotary_sin";
+    match input_dtype(input, &["q", "k_cache", "v_cache"], &KV_OPTIONAL_ELEMENTS, group)? {
+        DType::F32 => kvcache_typed::<f32>(args, input),
+        DType::F16 => kvcache_typed::<f16>(args, input),
+        DType::BF16 => kvcache_typed::<bf16>(args, input),
+    }
+}
+
+/// Two tensors that come together (`k` and `v`, `rotary_cos` and `rotary_sin`): both or neither.
+fn pair<T: LeScalar>(input: &Input<'_>, [a, b]: [&str; 2], what: &str) -> Result<Option<(Owned<T>, Owned<T>)>> {
+    match (optional_tensor::<T>(input, a)?, optional_tensor::<T>(input, b)?) {
+        (Some(x), Some(y)) => Ok(Some((x, y))),
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(CliError::new(format!("`{a}` is present but `{b}` is not; {what} needs both"))),
+        (None, Some(_)) => Err(CliError::new(format!("`{b}` is present but `{a}` is not; {what} needs both"))),
+    }
+}
+
+/// Appends the new tokens (if any) to the file's cache and attends; the outputs are `out`, `lse`
+/// and the updated cache. Every check on the cache's indices is the library's, made before it
+/// writes anything.
+fn kvcache_typed<T: GpuElement + LeScalar>(
+    args: &RunArgs,
+    input: &Input<'_>,
+) -> Result<Vec<(&'static str, OwnedTensor)>> {
+    let q = required_tensor::<T>(input, "q")?;
+    let mut k_cache = required_tensor::<T>(input, "k_cache")?;
+    let mut v_cache = required_tensor::<T>(input, "v_cache")?;
+    let seqlens = index_vector(input, "cache_seqlens", "[b]")?
+        .ok_or_else(|| CliError::new("KV-cache mode needs `cache_seqlens` (I32 [b])"))?;
+    let batch_idx = index_vector(input, "cache_batch_idx", "[b]")?;
+    let leftpad = index_vector(input, "cache_leftpad", "[b]")?;
+    let block_table = optional_tensor::<i32>(input, "block_table")?;
+    let new_kv = pair::<T>(input, ["k", "v"], "appending new tokens")?;
+    let rotary = pair::<T>(input, ["rotary_cos", "rotary_sin"], "rotary embedding")?;
+    if args.rotary_interleaved && rotary.is_none() {
+        return Err(CliError::new(
+            "`--rotary-interleaved` needs the rotary tables `rotary_cos` and `rotary_sin` in the input",
+        ));
+    }
+    let extras = Extras { cu_seqlens: None, alibi: optional_tensor::<f32>(input, "alibi_slopes")?, block_mask: None };
+    let spec = spec(args, &extras, None);
+
+    let mut cache = KvCache::new(&seqlens).num_splits(args.num_splits.unwrap_or(0));
+    if let Some(idx) = &batch_idx {
+        cache = cache.batch_idx(idx);
+    }
+    if let Some(lp) = &leftpad {
+        cache = cache.leftpad(lp);
+    }
+    if let Some(table) = &block_table {
+        cache = cache.paged(table.view());
+    }
+    if let Some((k, v)) = &new_kv {
+        cache = cache.append(k.view(), v.view());
+    }
+    if let Some((cos, sin)) = &rotary {
+        cache = cache.rotary(cos.view(), sin.view(), args.rotary_interleaved);
+    }
+
+    let q_view = q.view();
+    let mut k_view = TensorMut::new(&mut k_cache.data, &k_cache.shape);
+    let mut v_view = TensorMut::new(&mut v_cache.data, &v_cache.shape);
+    let res = match args.device {
+        Device::Cpu => kvcache::forward(&spec, &q_view, &mut k_view, &mut v_view, &cache)?,
+        Device::Cuda => kvcache_cuda(&spec, &q_view, &mut k_view, &mut v_view, &cache)?,
+    };
+    Ok(vec![
+        ("out", OwnedTensor::encode(&res.out, &res.out_shape)),
+        ("lse", OwnedTensor::encode(&res.lse, &res.lse_shape)),
+        ("k_cache", OwnedTensor::encode(&k_cache.data, &k_cache.shape)),
+        ("v_cache", OwnedTensor::encode(&v_cache.data, &v_cache.shape)),
+    ])
+}
+
+/// A KV-cache call on GPU 0, with [`kvcache::forward`]'s contract (the caches updated in place):
+/// `flash_attn::cuda::decode::forward_host` in cuda builds (f16/bf16).
+fn kvcache_cuda<T: GpuElement>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k_cache: &mut TensorMut<'_, T>,
+    v_cache: &mut TensorMut<'_, T>,
+    cache: &KvCache<'_, T>,
+) -> Result<Output<T>> {
+    T::kvcache(spec, q, k_cache, v_cache, cache)
 }
 
 /// A zeroed buffer for a tensor of `shape`, or an error (not an abort) if it cannot be had.
