@@ -374,8 +374,9 @@ fn unit_pass<T: Element>(
         lo..vis_keys.end.min(split.end).max(lo)
     };
     // The unit's heads of one token are contiguous in the cache (unit head stride): one run.
-    let v_run = (u.heads.len() - 1) * p.v_strides[2] + dv;
-    let size = std::mem::size_of::<T>();
+    // The direct kernels (x86-64 only) read a token's values of the unit's heads as one run.
+    #[cfg(target_arch = "x86_64")]
+    let (v_run, size) = ((u.heads.len() - 1) * p.v_strides[2] + dv, std::mem::size_of::<T>());
     let prefetch_head = |c0: usize, kv: usize| {
         for j in c0..(c0 + BC).min(keys.end) {
             prefetch_row(&k_cache[p.k_offset(u.b, j, kv)..][..d]);
@@ -415,6 +416,7 @@ fn unit_pass<T: Element>(
                 };
                 x86::scores(&args, &mut sc.st, ldt);
             }
+
             // Row-major scores for the masks and the softmax.
             transpose(isa, &mut sc.s, BC, &sc.st, ldt, nc, ldt);
         }
@@ -604,6 +606,7 @@ impl Elem {
 }
 
 /// Most packed rows per head the direct kernels take (their accumulators live in registers).
+#[cfg(target_arch = "x86_64")]
 const DIRECT_ROWS: usize = 16;
 
 /// AVX-512 kernels that read key and value rows straight from the cache (no gather, no
