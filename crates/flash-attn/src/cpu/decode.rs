@@ -702,7 +702,12 @@ mod x86 {
         macro_rules! go {
             ($r:literal, $g:literal) => {
                 if bf16 {
-                    scores_bf16::<$r, $g>(a, st, ldt)
+                    match a.d {
+                        // The usual head dims, unrolled: no lane masks, loop bounds known.
+                        64 => scores_bf16::<$r, $g, 64>(a, st, ldt),
+                        128 => scores_bf16::<$r, $g, 128>(a, st, ldt),
+                        _ => scores_bf16::<$r, $g, 0>(a, st, ldt),
+                    }
                 } else {
                     scores_f32::<$r, $g>(a, st, ldt)
                 }
@@ -797,8 +802,10 @@ mod x86 {
     /// As [`scores`], with `rows = R`, `G · R ≤ 16` and AVX-512 BF16 available.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    unsafe fn scores_bf16<const R: usize, const G: usize>(a: &Scores<'_>, st: &mut [f32], ldt: usize) {
+    unsafe fn scores_bf16<const R: usize, const G: usize, const D: usize>(a: &Scores<'_>, st: &mut [f32], ldt: usize) {
         let mult = _mm512_set1_ps(a.q_mult);
+        // D > 0: the head dim, a compile-time multiple of 32 (`a.d == D`); 0: run time.
+        let d = if D > 0 { D } else { a.d };
         // SAFETY (whole body): the bounds are the caller's contract; lane masks limit the tail
         // (both operands zero past `d`, so padded pairs add nothing); `__m512i` and `__m512bh`
         // are both 512 bits of plain data.
@@ -812,16 +819,23 @@ mod x86 {
                         if h >= a.heads {
                             break;
                         }
-                        let (kh, qh) = (kp.add(h * a.head_bytes), a.q_bits.as_ptr().add(h * R * a.d));
+                        let (kh, qh) = (kp.add(h * a.head_bytes), a.q_bits.as_ptr().add(h * R * d));
                         let mut x = 0;
-                        while x < a.d {
-                            let w = (a.d - x).min(32);
-                            let mask: __mmask32 = if w == 32 { u32::MAX } else { (1u32 << w) - 1 };
-                            let kb: __m512bh =
-                                std::mem::transmute(_mm512_maskz_loadu_epi16(mask, kh.add(2 * x).cast()));
+                        while x < d {
+                            let w = (d - x).min(32);
+                            let mask: __mmask32 = if D > 0 || w == 32 { u32::MAX } else { (1u32 << w) - 1 };
+                            let kb: __m512bh = if D > 0 {
+                                std::mem::transmute(_mm512_loadu_si512(kh.add(2 * x).cast()))
+                            } else {
+                                std::mem::transmute(_mm512_maskz_loadu_epi16(mask, kh.add(2 * x).cast()))
+                            };
                             for r in 0..R {
-                                let qb: __m512bh =
-                                    std::mem::transmute(_mm512_maskz_loadu_epi16(mask, qh.add(r * a.d + x).cast()));
+                                let qp = qh.add(r * d + x);
+                                let qb: __m512bh = if D > 0 {
+                                    std::mem::transmute(_mm512_loadu_si512(qp.cast()))
+                                } else {
+                                    std::mem::transmute(_mm512_maskz_loadu_epi16(mask, qp.cast()))
+                                };
                                 acc[g * R + r] = _mm512_dpbf16_ps(acc[g * R + r], qb, kb);
                             }
                             x += 32;
