@@ -825,16 +825,16 @@ mod x86 {
                             let w = (d - x).min(32);
                             let mask: __mmask32 = if D > 0 || w == 32 { u32::MAX } else { (1u32 << w) - 1 };
                             let kb: __m512bh = if D > 0 {
-                                std::mem::transmute(_mm512_loadu_si512(kh.add(2 * x).cast()))
+                                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(kh.add(2 * x).cast()))
                             } else {
-                                std::mem::transmute(_mm512_maskz_loadu_epi16(mask, kh.add(2 * x).cast()))
+                                std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(mask, kh.add(2 * x).cast()))
                             };
                             for r in 0..R {
                                 let qp = qh.add(r * d + x);
                                 let qb: __m512bh = if D > 0 {
-                                    std::mem::transmute(_mm512_loadu_si512(qp.cast()))
+                                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(qp.cast()))
                                 } else {
-                                    std::mem::transmute(_mm512_maskz_loadu_epi16(mask, qp.cast()))
+                                    std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(mask, qp.cast()))
                                 };
                                 acc[g * R + r] = _mm512_dpbf16_ps(acc[g * R + r], qb, kb);
                             }
