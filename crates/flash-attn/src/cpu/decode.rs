@@ -827,7 +827,10 @@ mod x86 {
                             let kb: __m512bh = if D > 0 {
                                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(kh.add(2 * x).cast()))
                             } else {
-                                std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(mask, kh.add(2 * x).cast()))
+                                std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(
+                                    mask,
+                                    kh.add(2 * x).cast(),
+                                ))
                             };
                             for r in 0..R {
                                 let qp = qh.add(r * d + x);
