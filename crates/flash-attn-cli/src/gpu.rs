@@ -217,34 +217,11 @@ mod imp {
             &cache,
         )?;
         let dev = run.device();
-        let stream = dev.stream().clone();
-        let ctx = dev.context();
-        let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver("event creation"));
         for _ in 0..WARM_UP {
             run.launch_attention()?;
         }
-        stream.synchronize().map_err(driver("synchronize"))?;
-        let (start, end) = (event()?, event()?);
-        start.record(&stream).map_err(driver("event record"))?;
-        run.launch_attention()?;
-        end.record(&stream).map_err(driver("event record"))?;
-        let estimate = f64::from(start.elapsed_ms(&end).map_err(driver("event timing"))?);
-        let runs = if estimate > 0.0 { (BUDGET_MS / estimate) as usize } else { MAX_RUNS };
-        let runs = runs.clamp(crate::bench::MIN_RUNS, MAX_RUNS);
-        let pairs: Vec<_> = (0..runs).map(|_| Ok((event()?, event()?))).collect::<Result<_>>()?;
-        for (a, b) in &pairs {
-            a.record(&stream).map_err(driver("event record"))?;
-            run.launch_attention()?;
-            b.record(&stream).map_err(driver("event record"))?;
-        }
-        stream.synchronize().map_err(driver("synchronize"))?;
-        let mut times = pairs
-            .iter()
-            .map(|(a, b)| a.elapsed_ms(b).map(f64::from).map_err(driver("event timing")))
-            .collect::<Result<Vec<f64>>>()?;
-        times.sort_by(f64::total_cmp);
-        let n = times.len();
-        let fwd_ms = if n % 2 == 1 { times[n / 2] } else { 0.5 * (times[n / 2 - 1] + times[n / 2]) };
+        dev.stream().synchronize().map_err(driver("synchronize"))?;
+        let (fwd_ms, n) = event_median(dev, crate::bench::MIN_RUNS, &mut || Ok(run.launch_attention()?))?;
         Ok(crate::decode_bench::DecodeMeasurement {
             fwd_ms,
             gbps: crate::decode_bench::kv_bytes(s, T::DTYPE) / (fwd_ms * 1e6),
@@ -360,6 +337,38 @@ mod imp {
         Ok(buf)
     }
 
+    /// Median time in ms of `call` between CUDA events on the device's stream, and the number of
+    /// timed runs: one call sizes the count (about [`BUDGET_MS`] of GPU time, at least
+    /// `min_runs`, at most [`MAX_RUNS`]); every event is made before the first timed call, the
+    /// calls queue back to back, each between its own pair, and one synchronisation ends them.
+    /// The caller warms up first.
+    fn event_median(dev: &cuda::Device, min_runs: usize, call: &mut dyn FnMut() -> Result<()>) -> Result<(f64, usize)> {
+        let stream = dev.stream();
+        let ctx = dev.context();
+        let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver("event creation"));
+        let (start, end) = (event()?, event()?);
+        start.record(stream).map_err(driver("event record"))?;
+        call()?;
+        end.record(stream).map_err(driver("event record"))?;
+        let estimate = f64::from(start.elapsed_ms(&end).map_err(driver("event timing"))?);
+        let runs = if estimate > 0.0 { (BUDGET_MS / estimate) as usize } else { MAX_RUNS };
+        let runs = runs.clamp(min_runs.max(1), MAX_RUNS.max(min_runs));
+        let pairs: Vec<_> = (0..runs).map(|_| Ok((event()?, event()?))).collect::<Result<_>>()?;
+        for (a, b) in &pairs {
+            a.record(stream).map_err(driver("event record"))?;
+            call()?;
+            b.record(stream).map_err(driver("event record"))?;
+        }
+        stream.synchronize().map_err(driver("synchronize"))?;
+        let mut times = pairs
+            .iter()
+            .map(|(a, b)| a.elapsed_ms(b).map(f64::from).map_err(driver("event timing")))
+            .collect::<Result<Vec<f64>>>()?;
+        times.sort_by(f64::total_cmp);
+        let n = times.len();
+        Ok((if n % 2 == 1 { times[n / 2] } else { 0.5 * (times[n / 2 - 1] + times[n / 2]) }, n))
+    }
+
     /// Times forward calls, or with `backward` forward+backward calls (gradients into buffers
     /// made before timing, `dout` random).
     fn time_typed<T: CudaElement>(
@@ -422,9 +431,7 @@ mod imp {
             Ok(())
         };
 
-        let ctx = dev.context();
-        let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver("event creation"));
-        // Warm-up; the last call's time sizes the number of timed runs.
+        // Warm-up.
         for _ in 0..WARM_UP {
             call()?;
         }
@@ -438,30 +445,7 @@ mod imp {
             (Some((current, _)), Some((_, high))) => Some(high.saturating_sub(current) as usize),
             _ => None,
         };
-        let (start, end) = (event()?, event()?);
-        start.record(stream).map_err(driver("event record"))?;
-        call()?;
-        end.record(stream).map_err(driver("event record"))?;
-        let estimate = f64::from(start.elapsed_ms(&end).map_err(driver("event timing"))?);
-        let runs = if estimate > 0.0 { (BUDGET_MS / estimate) as usize } else { MAX_RUNS };
-        let runs = runs.clamp(min_runs.max(1), MAX_RUNS.max(min_runs));
-
-        // Every event made before the first timed call; the calls queue back to back, each
-        // between its own pair, and one synchronisation at the end.
-        let pairs: Vec<_> = (0..runs).map(|_| Ok((event()?, event()?))).collect::<Result<_>>()?;
-        for (start, end) in &pairs {
-            start.record(stream).map_err(driver("event record"))?;
-            call()?;
-            end.record(stream).map_err(driver("event record"))?;
-        }
-        stream.synchronize().map_err(driver("synchronize"))?;
-        let mut times = pairs
-            .iter()
-            .map(|(s, e)| s.elapsed_ms(e).map(f64::from).map_err(driver("event timing")))
-            .collect::<Result<Vec<f64>>>()?;
-        times.sort_by(f64::total_cmp);
-        let n = times.len();
-        let ms = if n % 2 == 1 { times[n / 2] } else { 0.5 * (times[n / 2 - 1] + times[n / 2]) };
+        let (ms, n) = event_median(dev, min_runs, &mut call)?;
         Ok(Timing { ms, runs: n, peak_extra })
     }
 
