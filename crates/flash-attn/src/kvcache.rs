@@ -159,8 +159,8 @@ impl<'a, T> KvCache<'a, T> {
 /// parallelism buys).
 pub const MIN_KEYS_PER_SPLIT: usize = 512;
 
-/// Work units the heuristic aims for: enough to keep a 128-core CPU (or the SMs of a GPU, which
-/// run several units each) busy.
+/// Work units the CPU's heuristic aims for: enough to keep a 128-core CPU busy (the GPU's own
+/// heuristic is `cuda::decode::splits_for`).
 pub const TARGET_UNITS: usize = 128;
 
 /// Largest number of splits the heuristic picks.
@@ -182,7 +182,7 @@ pub fn splits_heuristic(units: usize, max_sk: usize) -> usize {
 /// Where a sequence's tokens live in the cache.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Slots<'a> {
-    /// Sequence `b` is cache row `rows[b]`; position `t` is index `t` of dimension 1.
+    /// Sequence `b` is cache row `KvSeq::row`; position `t` is index `t` of dimension 1.
     Contiguous,
     /// Position `t` is row `t % page_size` of page `table[b · s0 + (t / page_size) · s1]`.
     Paged { table: &'a [i32], strides: (usize, usize), page_size: usize },
