@@ -177,33 +177,53 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS) flash_decode(const Deco
     // never stands between a tile and its copy.
     constexpr int RPT = FD_KEYS / ROW_STEP;
     int pg[RPT];
+    // A thread's rows of a tile are ROW_STEP positions apart: one division a tile gives the page
+    // and row of the first, and the rest follow by steps (a shift where the page size is a power
+    // of two).
     auto fetch_pages = [&](int tile) {
         const int jt = lo + tile * FD_KEYS;
+        const int pos0 = start + jt + row0;
+        int q = p.page_shift >= 0 ? pos0 >> p.page_shift : pos0 / p.page_size;
+        int r = pos0 - q * p.page_size;
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
             const int j = jt + row0 + i * ROW_STEP;
             if (p.block_table == nullptr) {
                 pg[i] = p.cache_row[b];
             } else if (j < hi) {
-                const int pos = start + j;
-                const int page = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
+                const int page = p.page_shift >= 0 ? (pos0 + i * ROW_STEP) >> p.page_shift : q;
                 pg[i] = p.block_table[(long long)b * p.bt_batch + page];
             } else {
                 pg[i] = 0;
+            }
+            if (p.page_shift < 0) {
+                r += ROW_STEP;
+                while (r >= p.page_size) {
+                    r -= p.page_size;
+                    ++q;
+                }
             }
         }
     };
     auto load_tile = [&](int tile, int stage) {
         const int jt = lo + tile * FD_KEYS;
+        const int pos0 = start + jt + row0;
+        int r = p.page_shift >= 0 ? pos0 & (p.page_size - 1) : pos0 % p.page_size;
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
             const int kk = row0 + i * ROW_STEP;
             const int j = jt + kk;
             const bool valid = j < hi && col_in;
-            const int pos = start + j;
-            const long long i1 = p.block_table == nullptr
-                                     ? pos
-                                     : (p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size);
+            long long i1;
+            if (p.block_table == nullptr) {
+                i1 = start + j;
+            } else if (p.page_shift >= 0) {
+                i1 = (pos0 + i * ROW_STEP) & (p.page_size - 1);
+            } else {
+                i1 = r;
+                r += ROW_STEP;
+                while (r >= p.page_size) r -= p.page_size;
+            }
             const u16* kg = p.k + (long long)pg[i] * p.k_page + i1 * p.k_row + kv * p.k_head + ch * 8;
             const u16* vg = p.v + (long long)pg[i] * p.v_page + i1 * p.v_row + kv * p.v_head + ch * 8;
             const u32 at = stage * FD_TILE_BYTES + swizzled_offset<FD_D>(kk, ch);
