@@ -551,22 +551,24 @@ fn merge<T: Element>(
     let group = p.hq / p.hk;
     let m = p.sq * group;
     let mut acc = vec![0.0f32; p.dv];
+    // Each row's split weights, reused across rows.
+    let mut ws = vec![0.0f32; splits];
     for b in 0..p.batch {
         for kv in 0..p.hk {
             for r in 0..m {
                 let (i, h) = (r / group, kv * group + r % group);
                 let idx = |s: usize| ((b * p.hk + kv) * splits + s) * m + r;
-                let ls: Vec<f32> = (0..splits).map(|s| part_lse[idx(s)]).collect();
-                let max = ls.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                let ls = (0..splits).map(|s| part_lse[idx(s)]);
+                let max = ls.clone().fold(f32::NEG_INFINITY, f32::max);
                 let total;
-                if ls.iter().any(|x| x.is_nan()) {
+                if ls.clone().any(|x| x.is_nan()) {
                     acc.fill(f32::NAN);
                     total = f32::NAN;
                 } else if max == f32::NEG_INFINITY {
                     acc.fill(0.0);
                     total = f32::NEG_INFINITY;
                 } else {
-                    let ws: Vec<f32> = ls.iter().map(|&l| (l - max).exp()).collect();
+                    ws.iter_mut().zip(ls).for_each(|(w, l)| *w = (l - max).exp());
                     let sum: f32 = ws.iter().sum();
                     acc.fill(0.0);
                     for (s, &w) in ws.iter().enumerate() {
