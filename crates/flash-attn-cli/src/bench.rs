@@ -744,7 +744,7 @@ fn json_line(device: Device, dtype: DType, p: &Problem, m: &Measurement) -> Stri
 }
 
 /// A JSON number, or `null` for NaN and infinities (which JSON lacks).
-fn json_number(x: f64) -> String {
+pub(crate) fn json_number(x: f64) -> String {
     if x.is_finite() {
         format!("{x:.6}")
     } else {

@@ -16,7 +16,7 @@ use flash_attn::{AttentionSpec, DType, Element, Tensor, TensorMut};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::bench::Shape;
+use crate::bench::{json_number, Shape};
 use crate::run::zeroed;
 use crate::{CliError, Device, Result};
 
@@ -65,7 +65,7 @@ pub fn main(
     if json {
         println!(
             "{{\"device\":\"{}\",\"dtype\":\"{}\",\"mode\":\"decode\",\"b\":{},\"hq\":{},\"hk\":{},\"sq\":{},\
-             \"sk\":{},\"d\":{},\"page_size\":{},\"num_splits\":{},\"fwd_ms\":{:.6},\"gbps\":{:.3},\"runs\":{},\
+             \"sk\":{},\"d\":{},\"page_size\":{},\"num_splits\":{},\"fwd_ms\":{},\"gbps\":{},\"runs\":{},\
              \"mem_gbps\":{}}}",
             device.name(),
             dtype.name(),
@@ -77,10 +77,10 @@ pub fn main(
             s.d,
             page_size.map_or_else(|| "null".to_owned(), |p| p.to_string()),
             m.num_splits,
-            m.fwd_ms,
-            m.gbps,
+            json_number(m.fwd_ms),
+            json_number(m.gbps),
             m.runs,
-            mem.map_or_else(|| "null".to_owned(), |g| format!("{g:.3}"))
+            mem.map_or_else(|| "null".to_owned(), json_number)
         );
     } else {
         let layout =
