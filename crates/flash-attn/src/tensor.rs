@@ -95,6 +95,11 @@ impl<'a, T> TensorMut<'a, T> {
         self.data
     }
 
+    /// The underlying buffer, for the whole lifetime of the view's borrow.
+    pub fn into_data(self) -> &'a mut [T] {
+        self.data
+    }
+
     /// Checks rank, strides, bounds and that no two elements share memory.
     pub(crate) fn check(&self, name: &'static str, layout: &'static str, rank: usize) -> Result<()> {
         check_view(name, layout, rank, &self.shape, &self.strides, self.data.len())?;

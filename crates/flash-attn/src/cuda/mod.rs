@@ -104,9 +104,10 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: Arch,
-    functions: Mutex<HashMap<Variant, CudaFunction>>,
-    bwd_functions: Mutex<HashMap<BwdVariant, launch::BwdFunctions>>,
-    decode_functions: Mutex<HashMap<decode::DecodeVariant, decode::DecodeFunctions>>,
+    /// Loaded kernels, shared with every [`Device::with_stream`] handle of this device.
+    functions: Arc<Mutex<HashMap<Variant, CudaFunction>>>,
+    bwd_functions: Arc<Mutex<HashMap<BwdVariant, launch::BwdFunctions>>>,
+    decode_functions: Arc<Mutex<HashMap<decode::DecodeVariant, decode::DecodeFunctions>>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -137,9 +138,34 @@ impl Device {
             ctx,
             stream,
             arch: Arch::from_compute_capability(major, minor),
-            functions: Mutex::new(HashMap::new()),
-            bwd_functions: Mutex::new(HashMap::new()),
-            decode_functions: Mutex::new(HashMap::new()),
+            functions: Arc::default(),
+            bwd_functions: Arc::default(),
+            decode_functions: Arc::default(),
+        })
+    }
+
+    /// A handle to this GPU whose launches go to `stream` instead of the device's own: the same
+    /// context, and the kernels loaded so far (and later) shared with `self`. For frameworks that
+    /// own their streams (PyTorch's current stream, candle's): wrap theirs with
+    /// [`CudaContext::wrap_borrowed_stream`] on [`Device::context`].
+    ///
+    /// Work enqueued through the handle is ordered by that stream alone: buffers passed in must be
+    /// ready on it, and results are ready when its work is. A stream of another context is an
+    /// error.
+    pub fn with_stream(&self, stream: Arc<CudaStream>) -> Result<Device> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::Unsupported(format!(
+                "the stream belongs to another CUDA context than GPU {}'s",
+                self.ctx.ordinal()
+            )));
+        }
+        Ok(Device {
+            ctx: self.ctx.clone(),
+            stream,
+            arch: self.arch.clone(),
+            functions: self.functions.clone(),
+            bwd_functions: self.bwd_functions.clone(),
+            decode_functions: self.decode_functions.clone(),
         })
     }
 
