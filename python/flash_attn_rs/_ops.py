@@ -200,7 +200,12 @@ def bwd_op(
     dropout = (float(dropout_p), seed, offset) if dropout_p > 0 else None
     opts = _opts(softmax_scale, causal, window_left, window_right, softcap, alibi, cu_q, cu_k, dropout, deterministic)
     views = [_view(t) for t in (q, k, v, out, lse, dout, dq, dk, dv)]
-    _native.bwd(dtype, device, _stream(device), *views, opts)
+    workspace = None
+    if cuda:
+        # The kernels' scratch memory (the f32 dQ accumulator, D) from torch's caching allocator.
+        size = _native.bwd_workspace_bytes(dtype, device, _view(q), _view(k), _view(v), opts)
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+    _native.bwd(dtype, device, _stream(device), *views, opts, None if workspace is None else _view(workspace))
     return dq, dk, dv
 
 
@@ -260,9 +265,9 @@ def kvcache_op(
         if t is not None:
             _check_same(name, t, q)
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if t is not None and t.dtype != q.dtype:
-            # FlashAttention takes the tables in the inputs' dtype.
-            raise ValueError(f"`{name}` has dtype {t.dtype} but `q` has {q.dtype}")
+        if t is not None:
+            # FlashAttention takes the tables in the inputs' dtype, on their device.
+            _check_same(name, t, q)
     device = _device_index(q)
     if (k is None) != (v is None):
         raise ValueError("`k` and `v` come together")
@@ -293,7 +298,7 @@ def kvcache_op(
     }
     opts = _opts(softmax_scale, causal, window_left, window_right, softcap, alibi, None, None, None, False)
     _native.kvcache_fwd(
-        dtype, device, _view(q), _view(k_cache), _view(v_cache), _view(out), _view(lse), cache, opts
+        dtype, device, _stream(device), _view(q), _view(k_cache), _view(v_cache), _view(out), _view(lse), cache, opts
     )
     return out, lse
 

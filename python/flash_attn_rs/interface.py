@@ -155,7 +155,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotated (``rotary_cos/sin [max_pos, rd / 2]``) and written into the caches **in place** at
     ``cache_seqlens`` before attending. ``cache_seqlens`` is an int or int32 ``[b]`` (``None``:
     the whole contiguous cache). Returns ``out`` or ``(out, softmax_lse)``. No autograd (an
-    inference op). CPU tensors only for now: on CUDA tensors it raises ``NotImplementedError``.
+    inference op). CUDA tensors: float16/bfloat16, ``d == dv`` a multiple of 8 up to 256; the
+    index tensors are read on the host (a copy for CUDA tensors).
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)

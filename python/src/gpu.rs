@@ -16,13 +16,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{sys, CudaSlice, CudaStream};
+use flash_attn::cuda::decode::DeviceKvCache;
 use flash_attn::cuda::{CudaElement, Device, DeviceTensor, DeviceTensorMut};
 use flash_attn::Error;
 use half::{bf16, f16};
 use pyo3::exceptions::PyNotImplementedError;
 use pyo3::PyResult;
 
-use crate::{to_py, Opts, View};
+use crate::{host, host_slice, to_py, CacheOpts, Opts, View};
 
 /// Each GPU opened so far, or the error opening it gave.
 type Devices = Mutex<HashMap<usize, Result<Arc<Device>, Error>>>;
@@ -135,20 +136,57 @@ fn fwd_typed<T: CudaElement>(device: i64, stream: usize, views: [View; 5], opts:
     }
 }
 
-/// The backward on CUDA tensors `[q, k, v, out, lse, dout, dq, dk, dv]`.
-pub(crate) fn bwd(dtype: &str, device: i64, stream: usize, views: [View; 9], opts: &Opts) -> PyResult<()> {
+/// Bytes of scratch memory the backward of CUDA tensors `[q, k, v]` needs.
+pub(crate) fn bwd_workspace_bytes(dtype: &str, device: i64, views: [View; 3], opts: &Opts) -> PyResult<usize> {
     match dtype {
-        "float16" => bwd_typed::<f16>(device, stream, views, opts),
-        "bfloat16" => bwd_typed::<bf16>(device, stream, views, opts),
+        "float16" => bwd_workspace_typed::<f16>(device, views, opts),
+        "bfloat16" => bwd_workspace_typed::<bf16>(device, views, opts),
         other => Err(unsupported_dtype(other)),
     }
 }
 
-fn bwd_typed<T: CudaElement>(device: i64, stream: usize, views: [View; 9], opts: &Opts) -> PyResult<()> {
+fn bwd_workspace_typed<T: CudaElement>(device: i64, views: [View; 3], opts: &Opts) -> PyResult<usize> {
+    let dev = on_stream(device, 0)?;
+    let s = dev.stream().clone();
+    let [q, k, v] = views;
+    // SAFETY: as in `fwd_typed`; nothing is launched, the views only size the problem.
+    unsafe {
+        let spec = opts.spec()?;
+        let (bq, bk, bv) =
+            (Borrowed::<T>::new(&s, &q, "q")?, Borrowed::<T>::new(&s, &k, "k")?, Borrowed::<T>::new(&s, &v, "v")?);
+        dev.backward_workspace_bytes(&spec, &bq.tensor(&q, "q")?, &bk.tensor(&k, "k")?, &bv.tensor(&v, "v")?)
+            .map_err(to_py)
+    }
+}
+
+/// The backward on CUDA tensors `[q, k, v, out, lse, dout, dq, dk, dv]`, its scratch memory in
+/// `workspace` (a torch allocation of [`bwd_workspace_bytes`]) when given.
+pub(crate) fn bwd(
+    dtype: &str,
+    device: i64,
+    stream: usize,
+    views: [View; 9],
+    workspace: Option<View>,
+    opts: &Opts,
+) -> PyResult<()> {
+    match dtype {
+        "float16" => bwd_typed::<f16>(device, stream, views, workspace, opts),
+        "bfloat16" => bwd_typed::<bf16>(device, stream, views, workspace, opts),
+        other => Err(unsupported_dtype(other)),
+    }
+}
+
+fn bwd_typed<T: CudaElement>(
+    device: i64,
+    stream: usize,
+    views: [View; 9],
+    workspace: Option<View>,
+    opts: &Opts,
+) -> PyResult<()> {
     let dev = on_stream(device, stream)?;
     let s = dev.stream().clone();
     let [q, k, v, out, lse, dout, dq, dk, dv] = views;
-    // SAFETY: as in `fwd_typed`.
+    // SAFETY: as in `fwd_typed`; the workspace is a live torch allocation of this device.
     unsafe {
         let spec = opts.spec()?;
         let (bq, bk, bv) =
@@ -158,18 +196,108 @@ fn bwd_typed<T: CudaElement>(device: i64, stream: usize, views: [View; 9], opts:
         let mut bdq = Borrowed::<T>::new(&s, &dq, "dq")?;
         let mut bdk = Borrowed::<T>::new(&s, &dk, "dk")?;
         let mut bdv = Borrowed::<T>::new(&s, &dv, "dv")?;
-        dev.backward(
+        let mut bws = workspace.as_ref().map(|w| Borrowed::<u8>::new(&s, w, "workspace")).transpose()?;
+        let (q_t, k_t, v_t) = (&bq.tensor(&q, "q")?, &bk.tensor(&k, "k")?, &bv.tensor(&v, "v")?);
+        let (o_t, do_t, lse_v) = (&bo.tensor(&out, "out")?, &bdo.tensor(&dout, "dout")?, &bl.slice().as_view());
+        let (dq_t, dk_t, dv_t) =
+            (&mut bdq.tensor_mut(&dq, "dq")?, &mut bdk.tensor_mut(&dk, "dk")?, &mut bdv.tensor_mut(&dv, "dv")?);
+        match bws.as_mut() {
+            Some(b) => {
+                let mut ws = b.slice_mut().as_view_mut();
+                dev.backward_with_workspace(&spec, q_t, k_t, v_t, o_t, lse_v, do_t, dq_t, dk_t, dv_t, &mut ws)
+            }
+            None => dev.backward(&spec, q_t, k_t, v_t, o_t, lse_v, do_t, dq_t, dk_t, dv_t),
+        }
+        .map_err(to_py)
+    }
+}
+
+/// Attention over a KV cache of CUDA tensors `[q, k_cache, v_cache, out, lse]` (the caches
+/// written in place); the index tensors of `cache` are host tensors.
+pub(crate) fn kvcache(
+    dtype: &str,
+    device: i64,
+    stream: usize,
+    views: [View; 5],
+    cache: &CacheOpts,
+    opts: &Opts,
+) -> PyResult<()> {
+    match dtype {
+        "float16" => kvcache_typed::<f16>(device, stream, views, cache, opts),
+        "bfloat16" => kvcache_typed::<bf16>(device, stream, views, cache, opts),
+        other => Err(unsupported_dtype(other)),
+    }
+}
+
+fn kvcache_typed<T: CudaElement>(
+    device: i64,
+    stream: usize,
+    views: [View; 5],
+    cache: &CacheOpts,
+    opts: &Opts,
+) -> PyResult<()> {
+    let dev = on_stream(device, stream)?;
+    let s = dev.stream().clone();
+    let [q, kc, vc, out, lse] = views;
+    let optional = |v: &Option<View>, name: &str| -> PyResult<Option<Borrowed<T>>> {
+        // SAFETY: as in `fwd_typed`.
+        v.as_ref().map(|v| unsafe { Borrowed::<T>::new(&s, v, name) }).transpose()
+    };
+    let (kn, vn) = (cache.new_kv.as_ref().map(|x| x.0.clone()), cache.new_kv.as_ref().map(|x| x.1.clone()));
+    let (cos, sin) = (cache.rotary.as_ref().map(|x| x.0.clone()), cache.rotary.as_ref().map(|x| x.1.clone()));
+    let (bkn, bvn, bcos, bsin) =
+        (optional(&kn, "k")?, optional(&vn, "v")?, optional(&cos, "rotary_cos")?, optional(&sin, "rotary_sin")?);
+    // SAFETY: as in `fwd_typed`; the caches are the caller's tensors, written in place, checked
+    // by the caller not to share memory with the other buffers of the call; the index views
+    // are live host tensors.
+    unsafe {
+        let spec = opts.spec()?;
+        let bq = Borrowed::<T>::new(&s, &q, "q")?;
+        let (mut bk, mut bv) = (Borrowed::<T>::new(&s, &kc, "k_cache")?, Borrowed::<T>::new(&s, &vc, "v_cache")?);
+        let mut bo = Borrowed::<T>::new(&s, &out, "out")?;
+        let mut bl = Borrowed::<f32>::new(&s, &lse, "lse")?;
+        let tensor = optional_tensor::<T>;
+        let (kn_t, vn_t) = (tensor(&bkn, &kn, "k")?, tensor(&bvn, &vn, "v")?);
+        let (cos_t, sin_t) = (tensor(&bcos, &cos, "rotary_cos")?, tensor(&bsin, &sin, "rotary_sin")?);
+        let mut meta =
+            DeviceKvCache::new(host_slice(&cache.cache_seqlens, "cache_seqlens")?).num_splits(cache.num_splits);
+        if let Some(x) = &cache.batch_idx {
+            meta = meta.batch_idx(host_slice(x, "cache_batch_idx")?);
+        }
+        if let Some(x) = &cache.block_table {
+            meta = meta.paged(host::<i32>(x, "block_table")?);
+        }
+        if let Some(x) = &cache.leftpad {
+            meta = meta.leftpad(host_slice(x, "cache_leftpad")?);
+        }
+        if let (Some(k), Some(v)) = (&kn_t, &vn_t) {
+            meta = meta.append(k, v);
+        }
+        if let (Some(c), Some(sn), Some((_, _, inter))) = (&cos_t, &sin_t, &cache.rotary) {
+            meta = meta.rotary(c, sn, *inter);
+        }
+        let mut lse_view = bl.slice_mut().as_view_mut();
+        dev.kvcache_forward(
             &spec,
             &bq.tensor(&q, "q")?,
-            &bk.tensor(&k, "k")?,
-            &bv.tensor(&v, "v")?,
-            &bo.tensor(&out, "out")?,
-            &bl.slice().as_view(),
-            &bdo.tensor(&dout, "dout")?,
-            &mut bdq.tensor_mut(&dq, "dq")?,
-            &mut bdk.tensor_mut(&dk, "dk")?,
-            &mut bdv.tensor_mut(&dv, "dv")?,
+            &mut bk.tensor_mut(&kc, "k_cache")?,
+            &mut bv.tensor_mut(&vc, "v_cache")?,
+            &meta,
+            &mut bo.tensor_mut(&out, "out")?,
+            &mut lse_view,
         )
         .map_err(to_py)
+    }
+}
+
+/// The device view of an optional borrowed buffer.
+fn optional_tensor<'b, T>(
+    b: &'b Option<Borrowed<T>>,
+    v: &Option<View>,
+    name: &str,
+) -> PyResult<Option<DeviceTensor<'b, T>>> {
+    match (b, v) {
+        (Some(b), Some(v)) => b.tensor(v, name).map(Some),
+        _ => Ok(None),
     }
 }

@@ -22,7 +22,7 @@ mod gpu;
 
 /// A tensor as Python passes it: data pointer, shape, strides in elements.
 #[derive(Debug, Clone, FromPyObject)]
-struct View(usize, Vec<usize>, Vec<i64>);
+pub(crate) struct View(usize, Vec<usize>, Vec<i64>);
 
 impl View {
     /// The strides as `usize`; negative strides are refused (torch has none, but a caller could
@@ -105,7 +105,7 @@ fn to_py(e: Error) -> PyErr {
 /// # Safety
 /// `v` must describe memory valid for reads of `extent` elements of `T` for `'a`, not written by
 /// anyone during `'a`.
-unsafe fn host<'a, T>(v: &View, name: &str) -> PyResult<Tensor<'a, T>> {
+pub(crate) unsafe fn host<'a, T>(v: &View, name: &str) -> PyResult<Tensor<'a, T>> {
     let n = v.extent(name)?;
     let data: &[T] = if n == 0 {
         &[]
@@ -153,7 +153,7 @@ unsafe fn host_contiguous<'a, T>(v: &View, name: &str) -> PyResult<&'a [T]> {
 ///
 /// # Safety
 /// As [`host`].
-unsafe fn host_slice<'a, T>(v: &View, name: &str) -> PyResult<&'a [T]> {
+pub(crate) unsafe fn host_slice<'a, T>(v: &View, name: &str) -> PyResult<&'a [T]> {
     if v.1.len() != 1 {
         return Err(PyValueError::new_err(format!("`{name}` must be a 1-d tensor, got shape {:?}", v.1)));
     }
@@ -300,8 +300,10 @@ fn fwd(
 }
 
 /// Attention backward: writes `dq`, `dk`, `dv` from the inputs, the forward's `out` and `lse`,
-/// and `dout`.
+/// and `dout`. CUDA tensors: the scratch memory is `workspace` (`uint8`, at least
+/// [`bwd_workspace_bytes`]) when given, else the driver's memory pool; the CPU takes none.
 #[pyfunction]
+#[pyo3(signature = (dtype, device, stream, q, k, v, out, lse, dout, dq, dk, dv, opts, workspace=None))]
 #[allow(clippy::too_many_arguments)]
 fn bwd(
     py: Python<'_>,
@@ -318,6 +320,7 @@ fn bwd(
     dk: View,
     dv: View,
     opts: Opts,
+    workspace: Option<View>,
 ) -> PyResult<()> {
     let es = elem_size(dtype);
     check_disjoint(
@@ -325,7 +328,13 @@ fn bwd(
         &[("q", &q, es), ("k", &k, es), ("v", &v, es), ("out", &out, es), ("lse", &lse, 4), ("dout", &dout, es)],
     )?;
     if device >= 0 {
-        return cuda_bwd(py, dtype, device, stream, [q, k, v, out, lse, dout, dq, dk, dv], opts);
+        if let Some(w) = &workspace {
+            let all = [("q", &q, es), ("k", &k, es), ("v", &v, es), ("out", &out, es), ("dout", &dout, es)];
+            let mut read = all.to_vec();
+            read.extend([("lse", &lse, 4), ("dq", &dq, es), ("dk", &dk, es), ("dv", &dv, es)]);
+            check_disjoint(&[("workspace", w, 1)], &read)?;
+        }
+        return cuda_bwd(py, dtype, device, stream, [q, k, v, out, lse, dout, dq, dk, dv], workspace, opts);
     }
     py.detach(move || {
         dispatch!(dtype, T => {
@@ -354,31 +363,32 @@ fn bwd(
 /// The cache-side options of [`kvcache_fwd`] (a dict).
 #[derive(Debug, Clone, FromPyObject)]
 #[pyo3(from_item_all)]
-struct CacheOpts {
+pub(crate) struct CacheOpts {
     /// Host `int32 [b]`.
-    cache_seqlens: View,
+    pub(crate) cache_seqlens: View,
     /// Host `int32 [b]`.
-    batch_idx: Option<View>,
+    pub(crate) batch_idx: Option<View>,
     /// Host `int32 [b, max_pages]`.
-    block_table: Option<View>,
+    pub(crate) block_table: Option<View>,
     /// Host `int32 [b]`.
-    leftpad: Option<View>,
+    pub(crate) leftpad: Option<View>,
     /// New keys and values to append.
-    new_kv: Option<(View, View)>,
+    pub(crate) new_kv: Option<(View, View)>,
     /// `(cos, sin, interleaved)`.
-    rotary: Option<(View, View, bool)>,
+    pub(crate) rotary: Option<(View, View, bool)>,
     /// 0: the heuristic.
-    num_splits: usize,
+    pub(crate) num_splits: usize,
 }
 
-/// Attention over a KV cache (CPU): appends `new_kv` into `k_cache`/`v_cache` in place, then
-/// writes `out` and `lse`.
+/// Attention over a KV cache: appends `new_kv` into `k_cache`/`v_cache` in place, then writes
+/// `out` and `lse`. The index tensors of `cache` are host tensors on both devices.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn kvcache_fwd(
     py: Python<'_>,
     dtype: &str,
     device: i64,
+    stream: usize,
     q: View,
     k_cache: View,
     v_cache: View,
@@ -387,12 +397,6 @@ fn kvcache_fwd(
     cache: CacheOpts,
     opts: Opts,
 ) -> PyResult<()> {
-    if device >= 0 {
-        return Err(PyNotImplementedError::new_err(
-            "flash_attn_with_kvcache on CUDA tensors is not wired into the Python package yet; \
-             the library's CUDA KV-cache path takes host buffers (flash_attn::cuda::decode)",
-        ));
-    }
     let es = elem_size(dtype);
     let mut read = vec![("q", &q, es)];
     if let Some((kn, vn)) = &cache.new_kv {
@@ -407,6 +411,9 @@ fn kvcache_fwd(
         &[("k_cache", &k_cache, es), ("v_cache", &v_cache, es), ("out", &out, es), ("lse", &lse, 4)],
         &read,
     )?;
+    if device >= 0 {
+        return cuda_kvcache(py, dtype, device, stream, [q, k_cache, v_cache, out, lse], cache, opts);
+    }
     py.detach(move || {
         dispatch!(dtype, T => {
             // SAFETY: as in `fwd`; the caches are the caller's tensors, written in place, and
@@ -532,13 +539,58 @@ fn cuda_fwd(
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_bwd(py: Python<'_>, dtype: &str, device: i64, stream: usize, views: [View; 9], opts: Opts) -> PyResult<()> {
-    py.detach(move || gpu::bwd(dtype, device, stream, views, &opts))
+#[allow(clippy::too_many_arguments)]
+fn cuda_bwd(
+    py: Python<'_>,
+    dtype: &str,
+    device: i64,
+    stream: usize,
+    views: [View; 9],
+    workspace: Option<View>,
+    opts: Opts,
+) -> PyResult<()> {
+    py.detach(move || gpu::bwd(dtype, device, stream, views, workspace, &opts))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_bwd(_: Python<'_>, _: &str, _: i64, _: usize, _: [View; 9], _: Opts) -> PyResult<()> {
+#[allow(clippy::too_many_arguments)]
+fn cuda_bwd(_: Python<'_>, _: &str, _: i64, _: usize, _: [View; 9], _: Option<View>, _: Opts) -> PyResult<()> {
     Err(PyRuntimeError::new_err("flash_attn_rs was built without the `cuda` feature"))
+}
+
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn cuda_kvcache(
+    py: Python<'_>,
+    dtype: &str,
+    device: i64,
+    stream: usize,
+    views: [View; 5],
+    cache: CacheOpts,
+    opts: Opts,
+) -> PyResult<()> {
+    py.detach(move || gpu::kvcache(dtype, device, stream, views, &cache, &opts))
+}
+
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_kvcache(_: Python<'_>, _: &str, _: i64, _: usize, _: [View; 5], _: CacheOpts, _: Opts) -> PyResult<()> {
+    Err(PyRuntimeError::new_err("flash_attn_rs was built without the `cuda` feature"))
+}
+
+/// Bytes of scratch memory the CUDA backward of `q`, `k`, `v` needs (for the caller to
+/// allocate, with torch's allocator, and pass to [`bwd`] as `workspace`).
+#[pyfunction]
+fn bwd_workspace_bytes(dtype: &str, device: i64, q: View, k: View, v: View, opts: Opts) -> PyResult<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        gpu::bwd_workspace_bytes(dtype, device, [q, k, v], &opts)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (dtype, device, q, k, v, opts);
+        Err(PyRuntimeError::new_err("flash_attn_rs was built without the `cuda` feature"))
+    }
 }
 
 /// The module `flash_attn_rs._native`.
@@ -546,6 +598,7 @@ fn cuda_bwd(_: Python<'_>, _: &str, _: i64, _: usize, _: [View; 9], _: Opts) -> 
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fwd, m)?)?;
     m.add_function(wrap_pyfunction!(bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(bwd_workspace_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kvcache_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(dropout_keep, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;

@@ -2,6 +2,7 @@
 inputs seeded per case: forward, lse, backward, dropout, packed and varlen forms, strides."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -254,3 +255,37 @@ def test_low_level_fwd_bwd_pair(device_dtype, gen):
             assert torch.equal(ours, leaf.grad)  # the CPU backward is bitwise reproducible
         else:
             assert torch.allclose(ours.float(), leaf.grad.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_deterministic_backward_is_bitwise_reproducible(device_dtype, gen):
+    device, dtype = device_dtype
+    q, k, v = _inputs(gen, device, dtype, 2, 200, 200, 8, 2, 64, 64)
+    dout = torch.randn(q.shape, generator=gen).to(device=device, dtype=dtype)
+    grads = []
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fa.flash_attn_func(*leaves, causal=True, deterministic=True).backward(dout)
+        grads.append([t.grad for t in leaves])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1",
+                    reason="torch keeps no memory statistics without its caching allocator")
+def test_cuda_backward_scratch_comes_from_torch():
+    """The f32 dQ accumulator (4 bytes per query row, head and column) is a torch allocation:
+    torch's peak-memory counter sees it."""
+    b, s, h, d = 1, 4096, 8, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = fa.flash_attn_func(q, k, v)
+    dout = torch.randn_like(out)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out.backward(dout)
+    torch.cuda.synchronize()
+    grads = 3 * b * s * h * d * 2
+    accum = 4 * b * s * h * d
+    assert torch.cuda.max_memory_allocated() - before >= grads + accum

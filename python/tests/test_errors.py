@@ -144,5 +144,7 @@ def test_cuda_specific_errors():
     qh, kh, vh = _qkv(dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="is on"):
         fa.flash_attn_func(qh, kh.cpu(), vh)
-    with pytest.raises(NotImplementedError):
-        fa.flash_attn_with_kvcache(qh, kh, vh, cache_seqlens=4)
+    with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
+        fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=4)
+    with pytest.raises(NotImplementedError, match="d == dv"):
+        fa.flash_attn_with_kvcache(qh, kh, vh[..., :16].contiguous(), cache_seqlens=4)

@@ -281,7 +281,7 @@ fn layout4(strides: &[usize]) -> RowLayout {
     RowLayout { batch_stride: strides[0], token_stride: strides[1], head_stride: strides[2] }
 }
 
-impl<'a, T: Element> KvProblem<'a, T> {
+impl<'a, T> KvProblem<'a, T> {
     /// Validates everything a KV-cache call reads and writes, before anything is written.
     #[allow(clippy::too_many_arguments)]
     pub fn new<U>(
@@ -607,7 +607,9 @@ impl<'a, T: Element> KvProblem<'a, T> {
     pub fn alibi_slope(&self, b: usize, h: usize) -> Option<f32> {
         self.alibi.map(|a| a.data[b * a.strides.0 + h * a.strides.1])
     }
+}
 
+impl<T: Element> KvProblem<'_, T> {
     /// Writes the new keys (rotated when rotary is on) and values into the cache.
     pub fn append(&self, k_cache: &mut [T], v_cache: &mut [T]) {
         let (Some((k, kl)), Some((v, vl))) = (self.new_k, self.new_v) else { return };

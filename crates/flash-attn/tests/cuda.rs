@@ -427,3 +427,70 @@ fn deterministic_backward_is_bitwise_reproducible() {
         assert!(cmp.passed(), "dq: {cmp}");
     }
 }
+
+/// `Device::backward_with_workspace` (scratch memory from the caller, as the Python package
+/// passes torch's) gives the bits `Device::backward` gives, in deterministic mode, on a
+/// workspace that held garbage; a workspace one byte short is a typed error.
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn backward_with_a_caller_workspace_equals_the_pooled_one() {
+    let dev = cuda::default_device().expect("a CUDA device");
+    let mut rng = Rng::new(31);
+    let (b, hq, hk, s, d) = (2, 4, 2, 333, 64);
+    let mut r = |n: usize| (0..n).map(|_| bf16::from_f64(rng.normal())).collect::<Vec<_>>();
+    let (q, k, v, dout) = (r(b * s * hq * d), r(b * s * hk * d), r(b * s * hk * d), r(b * s * hq * d));
+    let spec = AttentionSpec::new().causal().deterministic();
+    let up = |x: &[bf16]| dev.upload(x).expect("upload");
+    let (dq_, dk_, dv_, ddo) = (up(&q), up(&k), up(&v), up(&dout));
+    let (qs, ks) = ([b, s, hq, d], [b, s, hk, d]);
+    let (qt, kt, vt) = (
+        cuda::DeviceTensor::new(dq_.as_view(), &qs),
+        cuda::DeviceTensor::new(dk_.as_view(), &ks),
+        cuda::DeviceTensor::new(dv_.as_view(), &ks),
+    );
+    let stream = dev.stream();
+    let mut out = stream.alloc_zeros::<bf16>(q.len()).expect("alloc");
+    let mut lse = stream.alloc_zeros::<f32>(b * hq * s).expect("alloc");
+    dev.forward(&spec, &qt, &kt, &vt, &mut cuda::DeviceTensorMut::new(out.as_view_mut(), &qs), &mut lse.as_view_mut())
+        .expect("forward");
+    let bytes = dev.backward_workspace_bytes(&spec, &qt, &kt, &vt).expect("workspace size");
+    assert!(bytes >= 4 * b * s * hq * d, "the f32 dQ accumulator alone needs {} bytes", 4 * b * s * hq * d);
+    let run = |workspace: Option<&mut cudarc::driver::CudaSlice<u8>>| {
+        let mut grads = [stream.alloc_zeros::<bf16>(q.len()), stream.alloc_zeros(k.len()), stream.alloc_zeros(v.len())]
+            .map(|g| g.expect("alloc"));
+        let [gq, gk, gv] = &mut grads;
+        let ot = cuda::DeviceTensor::new(out.as_view(), &qs);
+        let dot = cuda::DeviceTensor::new(ddo.as_view(), &qs);
+        let mut dqt = cuda::DeviceTensorMut::new(gq.as_view_mut(), &qs);
+        let mut dkt = cuda::DeviceTensorMut::new(gk.as_view_mut(), &ks);
+        let mut dvt = cuda::DeviceTensorMut::new(gv.as_view_mut(), &ks);
+        let lv = lse.as_view();
+        let res = match workspace {
+            Some(w) => dev.backward_with_workspace(
+                &spec,
+                &qt,
+                &kt,
+                &vt,
+                &ot,
+                &lv,
+                &dot,
+                &mut dqt,
+                &mut dkt,
+                &mut dvt,
+                &mut w.as_view_mut(),
+            ),
+            None => dev.backward(&spec, &qt, &kt, &vt, &ot, &lv, &dot, &mut dqt, &mut dkt, &mut dvt),
+        };
+        res.map(|()| grads.map(|g| stream.clone_dtoh(&g).expect("download")))
+    };
+    let pooled = run(None).expect("backward");
+    // A workspace full of garbage: the call zeroes what it uses.
+    let mut ws = stream.clone_htod(&vec![0xA5u8; bytes + 1000]).expect("upload");
+    let given = run(Some(&mut ws)).expect("backward with workspace");
+    let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (a, b) in pooled.iter().zip(&given) {
+        assert!(bits(a) == bits(b), "a caller's workspace changed the gradients");
+    }
+    let mut short = stream.clone_htod(&vec![0u8; bytes - 1]).expect("upload");
+    assert!(matches!(run(Some(&mut short)), Err(Error::BufferLength { tensor: "workspace", .. })));
+}

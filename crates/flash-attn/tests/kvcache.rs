@@ -672,12 +672,100 @@ mod cuda {
         Ok(())
     }
 
+    /// `Device::kvcache_forward` on buffers that already live on the device (a framework's
+    /// tensors): the caches updated in place there, `out` and `lse` under the contract.
+    fn gpu_device_buffers_meet_contract(seed: u64, bf16: bool) -> Result<(), TestCaseError> {
+        use flash_attn::cuda::decode::DeviceKvCache;
+        use flash_attn::cuda::{DeviceTensor, DeviceTensorMut};
+        let Ok(dev) = flash_attn::cuda::default_device() else {
+            eprintln!("skipped: no CUDA device");
+            return Ok(());
+        };
+        let mut rng = Rng::new(seed);
+        let s = gpu_setup(&mut rng, 300);
+        let fail = |e: String| TestCaseError::fail(format!("{e}\n{s:?}"));
+        macro_rules! go {
+            ($t:ty) => {{
+                let data = s.data::<$t>(&mut rng);
+                let (ks, vs) = s.cache_shapes();
+                let stream = dev.stream();
+                // Empty inputs (no new tokens, no rotary) still get a one-element buffer.
+                let one = [<$t>::default()];
+                let up =
+                    |x: &[$t]| dev.upload(if x.is_empty() { &one[..] } else { x }).map_err(|e| fail(e.to_string()));
+                let (dq, mut dk, mut dv) = (up(&data.q)?, up(&data.k_cache)?, up(&data.v_cache)?);
+                let (dkn, dvn, dcos, dsin) = (up(&data.k_new)?, up(&data.v_new)?, up(&data.cos)?, up(&data.sin)?);
+                let out_shape = [s.b, s.sq, s.hq, s.dv];
+                let mut dout = stream
+                    .alloc_zeros::<$t>(out_shape.iter().product::<usize>().max(1))
+                    .map_err(|e| fail(format!("{e:?}")))?;
+                let mut dlse =
+                    stream.alloc_zeros::<f32>((s.b * s.hq * s.sq).max(1)).map_err(|e| fail(format!("{e:?}")))?;
+                let kn_t = DeviceTensor::new(dkn.slice(..data.k_new.len()), &[s.b, s.sn, s.hk, s.d]);
+                let vn_t = DeviceTensor::new(dvn.slice(..data.v_new.len()), &[s.b, s.sn, s.hk, s.dv]);
+                let rot = s.rotary.map(|(rd, inter, max_pos)| {
+                    (
+                        DeviceTensor::new(dcos.slice(..data.cos.len()), &[max_pos, rd / 2]),
+                        DeviceTensor::new(dsin.slice(..data.sin.len()), &[max_pos, rd / 2]),
+                        inter,
+                    )
+                });
+                let mut meta = DeviceKvCache::new(&s.seqlens).num_splits(s.num_splits);
+                if let Some(idx) = &s.batch_idx {
+                    meta = meta.batch_idx(idx);
+                }
+                if let Some((table, max_pages)) = &s.table {
+                    meta = meta.paged(Tensor::new(table, &[s.b, *max_pages]));
+                }
+                if let Some(lp) = &s.leftpad {
+                    meta = meta.leftpad(lp);
+                }
+                if s.sn > 0 {
+                    meta = meta.append(&kn_t, &vn_t);
+                }
+                if let Some((c, sn, inter)) = &rot {
+                    meta = meta.rotary(c, sn, *inter);
+                }
+                let lse_len = s.b * s.hq * s.sq;
+                dev.kvcache_forward(
+                    &s.spec(&data, None),
+                    &DeviceTensor::new(dq.slice(..data.q.len()), &[s.b, s.sq, s.hq, s.d]),
+                    &mut DeviceTensorMut::new(dk.as_view_mut(), &ks),
+                    &mut DeviceTensorMut::new(dv.as_view_mut(), &vs),
+                    &meta,
+                    &mut DeviceTensorMut::new(dout.slice_mut(..out_shape.iter().product::<usize>()), &out_shape),
+                    &mut dlse.slice_mut(..lse_len),
+                )
+                .map_err(|e| fail(e.to_string()))?;
+                let down = |e: cudarc::driver::DriverError| fail(format!("{e:?}"));
+                let (kc, vc) = (stream.clone_dtoh(&dk).map_err(down)?, stream.clone_dtoh(&dv).map_err(down)?);
+                let mut out = stream.clone_dtoh(&dout).map_err(down)?;
+                let mut lse = stream.clone_dtoh(&dlse).map_err(down)?;
+                out.truncate(out_shape.iter().product());
+                lse.truncate(lse_len);
+                check_caches(&s, &data, &kc, &vc)?;
+                check_attention(&s, &data, (&out, &lse, &kc, &vc))?;
+            }};
+        }
+        if bf16 {
+            go!(half::bf16)
+        } else {
+            go!(half::f16)
+        }
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(common::config(64))]
 
         #[test]
         fn gpu_kv_cache_problems_meet_the_contract(seed in any::<u64>(), bf16 in any::<bool>()) {
             gpu_meets_contract(seed, bf16, 90)?;
+        }
+
+        #[test]
+        fn gpu_device_buffer_calls_meet_the_contract(seed in any::<u64>(), bf16 in any::<bool>()) {
+            gpu_device_buffers_meet_contract(seed, bf16)?;
         }
 
         #[test]

@@ -7,11 +7,14 @@
 //! into a scratch buffer (`flash_decode_rotary_q`), and `flash_decode` attends with the key range
 //! of every (sequence, kv head) cut into splits ([`splits_for`]) whose partial results
 //! `flash_decode_combine` merges. [`DecodeRun`] keeps every buffer on the device, so a benchmark
-//! times the launches alone.
+//! times the launches alone; [`Device::kvcache_forward`] runs a call on buffers that already
+//! live on the device (a framework's tensors), on the device's (or the framework's) stream.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
-use super::{driver_error, CudaElement, Device};
+use super::{driver_error, CudaElement, Device, DeviceTensor, DeviceTensorMut};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kvcache::{KvCache, KvProblem, Slots};
@@ -272,10 +275,48 @@ fn window_side(x: i64) -> i32 {
     }
 }
 
-/// A KV-cache call with every buffer on the device: validated and uploaded once, launched any
-/// number of times ([`DecodeRun::launch`]), read back with [`DecodeRun::download`].
-pub struct DecodeRun<T: CudaElement> {
-    dev: &'static Device,
+/// Device addresses of a call's tensors (0: absent).
+#[derive(Debug, Clone, Copy, Default)]
+struct Addrs {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    lse: u64,
+    k_new: u64,
+    v_new: u64,
+    cos: u64,
+    sin: u64,
+}
+
+/// What the CUDA kernels refuse beyond the shared validation: `d != dv`, `d` not a multiple of 8,
+/// strides of `q` and the caches not multiples of 8 elements.
+fn check_kernel_limits<U>(p: &KvProblem<'_, U>, strides: [&[usize]; 3]) -> Result<()> {
+    if p.d != p.dv || !p.d.is_multiple_of(8) {
+        return Err(Error::Unsupported(format!(
+            "the CUDA KV-cache kernels need d == dv, a multiple of 8 (got d = {}, dv = {})",
+            p.d, p.dv
+        )));
+    }
+    let strides_ok = |s: &[usize]| s.iter().all(|x| x % 8 == 0 || *x == 1);
+    if !strides.iter().all(|s| strides_ok(s)) {
+        return Err(Error::Unsupported(
+            "the CUDA KV-cache kernels need strides that are multiples of 8 elements".into(),
+        ));
+    }
+    if let Slots::Paged { strides, .. } = p.slots {
+        if strides.1 != 1 {
+            return Err(Error::Unsupported(
+                "the CUDA KV-cache kernels need a block table with unit column stride".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The launches of one validated call, with the small device buffers they read (lengths, rows,
+/// block table, ALiBi slopes, split partials, rotated queries) owned here.
+struct Plan {
     f: DecodeFunctions,
     decode: DecodeParams,
     append: Option<AppendParams>,
@@ -287,55 +328,21 @@ pub struct DecodeRun<T: CudaElement> {
     smem: u32,
     /// Nothing to compute (a zero-sized batch, query or head dimension).
     empty: bool,
-    /// The split count in use.
-    pub splits: usize,
-    _q: CudaSlice<T>,
-    _q_rot: Option<CudaSlice<T>>,
-    k: CudaSlice<T>,
-    v: CudaSlice<T>,
-    o: CudaSlice<T>,
-    lse: CudaSlice<f32>,
-    out_shape: Vec<usize>,
-    lse_shape: Vec<usize>,
+    splits: usize,
     // Held for the pointers in the parameter blocks.
     _held: Vec<CudaSlice<i32>>,
     _held_f32: Vec<CudaSlice<f32>>,
-    _held_t: Vec<CudaSlice<T>>,
+    _held_u8: Option<CudaSlice<u8>>,
 }
 
-impl<T: CudaElement> DecodeRun<T> {
-    /// Validates the call (the CPU's rules, [`crate::kvcache`]) and uploads everything to GPU 0.
-    /// Head dims: `d == dv`, a multiple of 8, at most 256; all strides multiples of 8 elements.
-    pub fn new(
-        spec: &AttentionSpec<'_>,
-        q: &Tensor<'_, T>,
-        k_cache: &TensorMut<'_, T>,
-        v_cache: &TensorMut<'_, T>,
-        cache: &KvCache<'_, T>,
-    ) -> Result<Self> {
-        let dim = |shape: &[usize], i: usize| shape.get(i).copied().unwrap_or(0);
-        let (b, sq, hq, dv) = (dim(q.shape(), 0), dim(q.shape(), 1), dim(q.shape(), 2), dim(v_cache.shape(), 3));
-        let mut units_out = vec![(); b * sq * hq * dv];
-        let out_shape = vec![b, sq, hq, dv];
-        // Validation wants an output view of the right shape: one of zero-sized elements.
-        let out_view = TensorMut::new(&mut units_out, &out_shape);
-        let p = KvProblem::new(spec, q, k_cache, v_cache, cache, &out_view, b * hq * sq)?;
-        if p.d != p.dv || p.d % 8 != 0 {
-            return Err(Error::Unsupported(format!(
-                "the CUDA KV-cache kernels need d == dv, a multiple of 8 (got d = {}, dv = {})",
-                p.d, p.dv
-            )));
-        }
-        let strides_ok = |s: &[usize]| s.iter().all(|x| x % 8 == 0 || *x == 1);
-        if !strides_ok(q.strides()) || !strides_ok(k_cache.strides()) || !strides_ok(v_cache.strides()) {
-            return Err(Error::Unsupported(
-                "the CUDA KV-cache kernels need strides that are multiples of 8 elements".into(),
-            ));
-        }
+impl Plan {
+    /// Builds the parameter blocks of problem `p` (element type `T`) on `dev`'s stream, for the
+    /// tensors at `a`; `num_splits` 0 lets [`splits_for`] choose.
+    fn new<T: CudaElement, U>(dev: &Device, p: &KvProblem<'_, U>, num_splits: usize, a: Addrs) -> Result<Self> {
+        let (b, sq, hq) = (p.batch, p.sq, p.hq);
         let group = p.hq / p.hk;
         let m = p.sq * group;
         let variant = DecodeVariant::for_problem(T::DTYPE, p.d)?;
-        let dev = super::default_device()?;
         let f = dev.decode_functions(&variant)?;
         let stream = dev.stream();
         let alloc_err = |what: &'static str| move |e| driver_error(what, e);
@@ -343,7 +350,7 @@ impl<T: CudaElement> DecodeRun<T> {
         let row_groups = m.div_ceil(MAX_ROWS_PER_BLOCK);
         let max_sk = p.seqs.iter().map(|s| s.sk).max().unwrap_or(0);
         let chunks = max_sk.div_ceil(64).max(1);
-        let splits = match cache.split_count() {
+        let splits = match num_splits {
             0 => splits_for(
                 p.batch * p.hk * row_groups,
                 dev.multiprocessors()?,
@@ -365,59 +372,34 @@ impl<T: CudaElement> DecodeRun<T> {
             Slots::Contiguous => (None, 0, 1),
             Slots::Paged { table, strides, page_size } => (Some(upload_i32(table)?), strides.0, page_size),
         };
-        if let Slots::Paged { strides, .. } = p.slots {
-            if strides.1 != 1 {
-                return Err(Error::Unsupported(
-                    "the CUDA KV-cache kernels need a block table with unit column stride".into(),
-                ));
-            }
-        }
         let alibi: Option<CudaSlice<f32>> = match p.alibi {
             None => None,
-            Some(a) => {
+            Some(al) => {
                 let mut dense = vec![0.0f32; p.batch * p.hq];
                 for bi in 0..p.batch {
                     for h in 0..p.hq {
-                        dense[bi * p.hq + h] = a.data[bi * a.strides.0 + h * a.strides.1];
+                        dense[bi * p.hq + h] = al.data[bi * al.strides.0 + h * al.strides.1];
                     }
                 }
                 Some(stream.clone_htod(&dense).map_err(alloc_err("upload alibi"))?)
             }
         };
-
-        let dq = stream.clone_htod(q.data()).map_err(alloc_err("upload q"))?;
-        let dk = stream.clone_htod(k_cache.data()).map_err(alloc_err("upload k_cache"))?;
-        let dvv = stream.clone_htod(v_cache.data()).map_err(alloc_err("upload v_cache"))?;
-        let out_len = (b * sq * hq * dv).max(1);
-        let o = stream.alloc_zeros::<T>(out_len).map_err(alloc_err("alloc out"))?;
-        let lse = stream.alloc_zeros::<f32>((b * hq * sq).max(1)).map_err(alloc_err("alloc lse"))?;
         let parts = if splits > 1 { p.batch * p.hk * splits * m } else { 0 };
         let part_o = stream.alloc_zeros::<f32>((parts * p.d).max(1)).map_err(alloc_err("alloc split outputs"))?;
         let part_lse = stream.alloc_zeros::<f32>(parts.max(1)).map_err(alloc_err("alloc split lse"))?;
 
-        let mut held_t = Vec::new();
-        let (mut append, mut rotary_q) = (None, None);
-        let mut q_rot = None;
         let ptr_i32 = |s: &CudaSlice<i32>| s.device_ptr(stream).0;
         let causal_or_window = p.causal != Causal::None || p.window.is_some();
-        let rot = p.rotary;
-        let (cos_ptr, sin_ptr, cos_row, sin_row, rd, inter) = match &rot {
-            Some(r) => {
-                let cos = stream.clone_htod(r.cos).map_err(alloc_err("upload rotary_cos"))?;
-                let sin = stream.clone_htod(r.sin).map_err(alloc_err("upload rotary_sin"))?;
-                let (cp, sp) = (cos.device_ptr(stream).0, sin.device_ptr(stream).0);
-                held_t.push(cos);
-                held_t.push(sin);
-                (cp, sp, r.strides.0, r.strides.1, r.rd, r.interleaved)
-            }
-            None => (0, 0, 0, 0, 0, false),
+        let (cos_row, sin_row, rd, inter) = match &p.rotary {
+            Some(r) => (r.strides.0, r.strides.1, r.rd, r.interleaved),
+            None => (0, 0, 0, false),
         };
         let base_append = AppendParams {
-            k: dk.device_ptr(stream).0,
-            v: dvv.device_ptr(stream).0,
-            q: dq.device_ptr(stream).0,
-            cos: cos_ptr,
-            sin: sin_ptr,
+            k: a.k,
+            v: a.v,
+            q: a.q,
+            cos: a.cos,
+            sin: a.sin,
             seqlens: ptr_i32(&d_cached),
             cache_row: ptr_i32(&d_rows),
             block_table: table.as_ref().map_or(0, ptr_i32),
@@ -445,12 +427,10 @@ impl<T: CudaElement> DecodeRun<T> {
             q_positions_advance: i32::from(causal_or_window),
             ..Default::default()
         };
-        if let (Some((kn, kl)), Some((vn, vl))) = (p.new_k, p.new_v) {
-            let dkn = stream.clone_htod(kn).map_err(alloc_err("upload k"))?;
-            let dvn = stream.clone_htod(vn).map_err(alloc_err("upload v"))?;
-            append = Some(AppendParams {
-                k_new: dkn.device_ptr(stream).0,
-                v_new: dvn.device_ptr(stream).0,
+        let append = match (p.new_k, p.new_v) {
+            (Some((_, kl)), Some((_, vl))) => Some(AppendParams {
+                k_new: a.k_new,
+                v_new: a.v_new,
                 kn_batch: i64_of(kl.batch_stride),
                 kn_row: i64_of(kl.token_stride),
                 kn_head: i64_of(kl.head_stride),
@@ -458,33 +438,35 @@ impl<T: CudaElement> DecodeRun<T> {
                 vn_row: i64_of(vl.token_stride),
                 vn_head: i64_of(vl.head_stride),
                 ..base_append
-            });
-            held_t.push(dkn);
-            held_t.push(dvn);
-        }
-        let mut q_ptr = dq.device_ptr(stream).0;
+            }),
+            _ => None,
+        };
+        let mut q_ptr = a.q;
         let (mut qb, mut qr, mut qh) = (p.q.batch_stride, p.q.token_stride, p.q.head_stride);
-        if rot.is_some() {
-            let qr_buf = stream.alloc_zeros::<T>((b * sq * hq * p.d).max(1)).map_err(alloc_err("alloc q_rot"))?;
-            rotary_q = Some(AppendParams { q_rot: qr_buf.device_ptr(stream).0, ..base_append });
-            q_ptr = qr_buf.device_ptr(stream).0;
+        let (mut rotary_q, mut q_rot) = (None, None);
+        if p.rotary.is_some() {
+            let bytes = (b * sq * hq * p.d).max(1) * std::mem::size_of::<T>();
+            let buf = stream.alloc_zeros::<u8>(bytes).map_err(alloc_err("alloc q_rot"))?;
+            let ptr = buf.device_ptr(stream).0;
+            rotary_q = Some(AppendParams { q_rot: ptr, ..base_append });
+            q_ptr = ptr;
             (qb, qr, qh) = (sq * hq * p.d, hq * p.d, p.d);
-            q_rot = Some(qr_buf);
+            q_rot = Some(buf);
         }
         let (window_left, window_right) = p.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
         let decode = DecodeParams {
             q: q_ptr,
-            k: dk.device_ptr(stream).0,
-            v: dvv.device_ptr(stream).0,
-            o: o.device_ptr(stream).0,
-            lse: lse.device_ptr(stream).0,
+            k: a.k,
+            v: a.v,
+            o: a.o,
+            lse: a.lse,
             part_o: part_o.device_ptr(stream).0,
             part_lse: part_lse.device_ptr(stream).0,
             sk: ptr_i32(&d_sk),
             start: ptr_i32(&d_start),
             cache_row: ptr_i32(&d_rows),
             block_table: table.as_ref().map_or(0, ptr_i32),
-            alibi: alibi.as_ref().map_or(0, |a| a.device_ptr(stream).0),
+            alibi: alibi.as_ref().map_or(0, |al| al.device_ptr(stream).0),
             bt_batch: i64_of(bt_batch),
             q_batch: i64_of(qb),
             q_row: i64_of(qr),
@@ -495,9 +477,9 @@ impl<T: CudaElement> DecodeRun<T> {
             v_page: i64_of(p.v_strides[0]),
             v_row: i64_of(p.v_strides[1]),
             v_head: i64_of(p.v_strides[2]),
-            o_batch: i64_of(sq * hq * dv),
-            o_row: i64_of(hq * dv),
-            o_head: i64_of(dv),
+            o_batch: i64_of(p.out.batch_stride),
+            o_row: i64_of(p.out.token_stride),
+            o_head: i64_of(p.out.head_stride),
             page_size: i32_of("page size", page_size)?,
             page_shift: if page_size.is_power_of_two() { page_size.trailing_zeros() as i32 } else { -1 },
             batch: i32_of("batch", p.batch)?,
@@ -539,7 +521,6 @@ impl<T: CudaElement> DecodeRun<T> {
         let mut held_f32 = vec![part_o, part_lse];
         held_f32.extend(alibi);
         Ok(Self {
-            dev,
             f,
             decode,
             append,
@@ -551,16 +532,128 @@ impl<T: CudaElement> DecodeRun<T> {
             smem: variant.smem_bytes() as u32,
             empty: p.batch == 0 || p.sq == 0 || p.hq == 0,
             splits,
+            _held: held,
+            _held_f32: held_f32,
+            _held_u8: q_rot,
+        })
+    }
+
+    /// Enqueues on `dev`'s stream the append (if any and `with_append`), the query rotation (if
+    /// any), the attention and the merge of the splits; nothing for an empty problem.
+    fn launch(&self, dev: &Device, with_append: bool) -> Result<()> {
+        if self.empty {
+            return Ok(());
+        }
+        if let (true, Some(a)) = (with_append, self.append) {
+            launch_one(dev, &self.f.append, self.append_grid, 0, &a, "flash_decode_append")?;
+        }
+        if let Some(r) = self.rotary_q {
+            launch_one(dev, &self.f.rotary_q, self.rotary_grid, 0, &r, "flash_decode_rotary_q")?;
+        }
+        launch_one(dev, &self.f.decode, self.grid, self.smem, &self.decode, "flash_decode")?;
+        if let Some(grid) = self.combine_grid {
+            launch_one(dev, &self.f.combine, grid, 0, &self.decode, "flash_decode_combine")?;
+        }
+        Ok(())
+    }
+}
+
+/// One launch of 128 threads a block on `dev`'s stream.
+fn launch_one<P: DeviceRepr>(
+    dev: &Device,
+    f: &CudaFunction,
+    grid: (u32, u32, u32),
+    smem: u32,
+    params: &P,
+    what: &str,
+) -> Result<()> {
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: smem };
+    let mut builder = dev.stream().launch_builder(f);
+    builder.arg(params);
+    // SAFETY: the parameter block matches the kernel's struct; every pointer in it is a live
+    // device buffer (the caller's tensors, checked against the validated problem, or buffers the
+    // plan owns and frees only after the stream's work), sized from the validated problem, which
+    // bounds every index the kernels form.
+    unsafe { builder.launch(cfg) }.map_err(|e| driver_error(what, e))?;
+    Ok(())
+}
+
+/// A KV-cache call with every buffer on the device: validated and uploaded once, launched any
+/// number of times ([`DecodeRun::launch`]), read back with [`DecodeRun::download`].
+pub struct DecodeRun<T: CudaElement> {
+    dev: &'static Device,
+    plan: Plan,
+    /// The split count in use.
+    pub splits: usize,
+    _q: CudaSlice<T>,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    o: CudaSlice<T>,
+    lse: CudaSlice<f32>,
+    out_shape: Vec<usize>,
+    lse_shape: Vec<usize>,
+    _held_t: Vec<CudaSlice<T>>,
+}
+
+impl<T: CudaElement> DecodeRun<T> {
+    /// Validates the call (the CPU's rules, [`crate::kvcache`]) and uploads everything to GPU 0.
+    /// Head dims: `d == dv`, a multiple of 8, at most 256; all strides multiples of 8 elements.
+    pub fn new(
+        spec: &AttentionSpec<'_>,
+        q: &Tensor<'_, T>,
+        k_cache: &TensorMut<'_, T>,
+        v_cache: &TensorMut<'_, T>,
+        cache: &KvCache<'_, T>,
+    ) -> Result<Self> {
+        let dim = |shape: &[usize], i: usize| shape.get(i).copied().unwrap_or(0);
+        let (b, sq, hq, dv) = (dim(q.shape(), 0), dim(q.shape(), 1), dim(q.shape(), 2), dim(v_cache.shape(), 3));
+        let mut units_out = vec![(); b * sq * hq * dv];
+        let out_shape = vec![b, sq, hq, dv];
+        // Validation wants an output view of the right shape: one of zero-sized elements.
+        let out_view = TensorMut::new(&mut units_out, &out_shape);
+        let p = KvProblem::new(spec, q, k_cache, v_cache, cache, &out_view, b * hq * sq)?;
+        check_kernel_limits(&p, [q.strides(), k_cache.strides(), v_cache.strides()])?;
+        let dev = super::default_device()?;
+        let stream = dev.stream();
+        let alloc_err = |what: &'static str| move |e| driver_error(what, e);
+        let upload = |xs: &[T], what: &'static str| stream.clone_htod(xs).map_err(alloc_err(what));
+        let dq = upload(q.data(), "upload q")?;
+        let dk = upload(k_cache.data(), "upload k_cache")?;
+        let dvv = upload(v_cache.data(), "upload v_cache")?;
+        let o = stream.alloc_zeros::<T>((b * sq * hq * dv).max(1)).map_err(alloc_err("alloc out"))?;
+        let lse = stream.alloc_zeros::<f32>((b * hq * sq).max(1)).map_err(alloc_err("alloc lse"))?;
+        let mut held_t = Vec::new();
+        let ptr = |s: &CudaSlice<T>| s.device_ptr(stream).0;
+        let mut a = Addrs {
+            q: ptr(&dq),
+            k: ptr(&dk),
+            v: ptr(&dvv),
+            o: ptr(&o),
+            lse: lse.device_ptr(stream).0,
+            ..Addrs::default()
+        };
+        if let (Some((kn, _)), Some((vn, _))) = (p.new_k, p.new_v) {
+            let (dkn, dvn) = (upload(kn, "upload k")?, upload(vn, "upload v")?);
+            (a.k_new, a.v_new) = (ptr(&dkn), ptr(&dvn));
+            held_t.extend([dkn, dvn]);
+        }
+        if let Some(r) = &p.rotary {
+            let (cos, sin) = (upload(r.cos, "upload rotary_cos")?, upload(r.sin, "upload rotary_sin")?);
+            (a.cos, a.sin) = (ptr(&cos), ptr(&sin));
+            held_t.extend([cos, sin]);
+        }
+        let plan = Plan::new::<T, T>(dev, &p, cache.split_count(), a)?;
+        Ok(Self {
+            dev,
+            splits: plan.splits,
+            plan,
             _q: dq,
-            _q_rot: q_rot,
             k: dk,
             v: dvv,
             o,
             lse,
             out_shape,
             lse_shape: vec![b, hq, sq],
-            _held: held,
-            _held_f32: held_f32,
             _held_t: held_t,
         })
     }
@@ -569,52 +662,13 @@ impl<T: CudaElement> DecodeRun<T> {
     /// and the merge of the splits. An empty batch (no sequence, no query, no head) launches
     /// nothing.
     pub fn launch(&mut self) -> Result<()> {
-        if self.empty {
-            return Ok(());
-        }
-        if let Some(a) = self.append {
-            self.launch_one(&self.f.append.clone(), self.append_grid, 128, 0, &a, "flash_decode_append")?;
-        }
-        self.launch_attention()
+        self.plan.launch(self.dev, true)
     }
 
     /// Enqueues the query rotation (if any), the attention and the merge: what a decode step
     /// costs once the cache holds the token (for timing).
     pub fn launch_attention(&mut self) -> Result<()> {
-        if self.empty {
-            return Ok(());
-        }
-        if let Some(r) = self.rotary_q {
-            self.launch_one(&self.f.rotary_q.clone(), self.rotary_grid, 128, 0, &r, "flash_decode_rotary_q")?;
-        }
-        let params = self.decode;
-        self.launch_one(&self.f.decode.clone(), self.grid, 128, self.smem, &params, "flash_decode")?;
-        if let Some(grid) = self.combine_grid {
-            self.launch_one(&self.f.combine.clone(), grid, 128, 0, &params, "flash_decode_combine")?;
-        }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn launch_one<P: DeviceRepr>(
-        &self,
-        f: &CudaFunction,
-        grid: (u32, u32, u32),
-        threads: u32,
-        smem: u32,
-        params: &P,
-        what: &str,
-    ) -> Result<()> {
-        let stream = self.dev.stream();
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem };
-        let mut builder = stream.launch_builder(f);
-        builder.arg(params);
-        // SAFETY: the parameter block matches the kernel's struct; every pointer in it is a live
-        // device buffer owned by `self` (or freed only after the stream's work, by cudarc's
-        // stream-ordered frees), sized from the validated problem, which bounds every index the
-        // kernels form.
-        unsafe { builder.launch(cfg) }.map_err(|e| driver_error(what, e))?;
-        Ok(())
+        self.plan.launch(self.dev, false)
     }
 
     /// The device the run is on.
@@ -635,6 +689,153 @@ impl<T: CudaElement> DecodeRun<T> {
         out.truncate(self.out_shape.iter().product());
         lse.truncate(self.lse_shape.iter().product());
         Ok((Output { out, out_shape: self.out_shape.clone(), lse, lse_shape: self.lse_shape.clone() }, k, v))
+    }
+}
+
+/// The cache-side inputs of [`Device::kvcache_forward`]: as [`KvCache`], with the new tokens and
+/// the rotary tables on the device; the index tensors (`cache_seqlens`, `cache_batch_idx`,
+/// `block_table`, `cache_leftpad`) stay on the host (they are validated there, then copied to
+/// the device for the launch).
+#[derive(Debug)]
+pub struct DeviceKvCache<'a, 'd, T> {
+    seqlens: &'a [i32],
+    batch_idx: Option<&'a [i32]>,
+    block_table: Option<Tensor<'a, i32>>,
+    leftpad: Option<&'a [i32]>,
+    new_kv: Option<(&'d DeviceTensor<'d, T>, &'d DeviceTensor<'d, T>)>,
+    rotary: Option<(&'d DeviceTensor<'d, T>, &'d DeviceTensor<'d, T>, bool)>,
+    num_splits: usize,
+}
+
+impl<'a, 'd, T> DeviceKvCache<'a, 'd, T> {
+    /// See [`KvCache::new`].
+    pub fn new(cache_seqlens: &'a [i32]) -> Self {
+        Self {
+            seqlens: cache_seqlens,
+            batch_idx: None,
+            block_table: None,
+            leftpad: None,
+            new_kv: None,
+            rotary: None,
+            num_splits: 0,
+        }
+    }
+
+    /// See [`KvCache::batch_idx`].
+    #[must_use]
+    pub fn batch_idx(mut self, idx: &'a [i32]) -> Self {
+        self.batch_idx = Some(idx);
+        self
+    }
+
+    /// See [`KvCache::paged`]; the block table is a host tensor.
+    #[must_use]
+    pub fn paged(mut self, block_table: Tensor<'a, i32>) -> Self {
+        self.block_table = Some(block_table);
+        self
+    }
+
+    /// See [`KvCache::leftpad`].
+    #[must_use]
+    pub fn leftpad(mut self, leftpad: &'a [i32]) -> Self {
+        self.leftpad = Some(leftpad);
+        self
+    }
+
+    /// See [`KvCache::append`]; `k`, `v` on the device.
+    #[must_use]
+    pub fn append(mut self, k: &'d DeviceTensor<'d, T>, v: &'d DeviceTensor<'d, T>) -> Self {
+        self.new_kv = Some((k, v));
+        self
+    }
+
+    /// See [`KvCache::rotary`]; `cos`, `sin` on the device.
+    #[must_use]
+    pub fn rotary(mut self, cos: &'d DeviceTensor<'d, T>, sin: &'d DeviceTensor<'d, T>, interleaved: bool) -> Self {
+        self.rotary = Some((cos, sin, interleaved));
+        self
+    }
+
+    /// See [`KvCache::num_splits`] (0: the GPU's heuristic, [`splits_for`]).
+    #[must_use]
+    pub fn num_splits(mut self, n: usize) -> Self {
+        self.num_splits = n;
+        self
+    }
+}
+
+/// A view of zero-sized elements with `t`'s length, shape and strides: what validation needs of
+/// a device tensor (its layout), without its data.
+fn units<T>(t: &DeviceTensor<'_, T>) -> Tensor<'static, ()> {
+    let data: &'static [()] = vec![(); t.data.len()].leak(); // no allocation: `()` is zero-sized
+    Tensor::with_strides(data, &t.shape, &t.strides)
+}
+
+fn units_mut<T>(t: &DeviceTensorMut<'_, T>) -> TensorMut<'static, ()> {
+    let data: &'static mut [()] = vec![(); t.data.len()].leak();
+    TensorMut::with_strides(data, &t.shape, &t.strides)
+}
+
+impl Device {
+    /// Attention with a KV cache on device buffers, enqueued on [`Device::stream`]
+    /// (asynchronous): appends the new tokens of `cache` (rotated when rotary is on) into
+    /// `k_cache` / `v_cache` in place, then attends, writing `out [b, sq, hq, d]` (any strides
+    /// that are multiples of 8 elements) and `lse` (contiguous `[b, hq, sq]`). The semantics and
+    /// the validation are the CPU's ([`crate::kvcache`]): any invalid input is an [`Error`] with
+    /// nothing enqueued. Limits: `d == dv`, a multiple of 8, at most 256; strides of `q` and the
+    /// caches multiples of 8 elements. Small scratch buffers (lengths, split partials, rotated
+    /// queries) are stream-ordered allocations of the device's pool.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kvcache_forward<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k_cache: &mut DeviceTensorMut<'_, T>,
+        v_cache: &mut DeviceTensorMut<'_, T>,
+        cache: &DeviceKvCache<'_, '_, T>,
+        out: &mut DeviceTensorMut<'_, T>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let (uq, uk, uv, uo) = (units(q), units_mut(k_cache), units_mut(v_cache), units_mut(out));
+        let mut meta = KvCache::<()>::new(cache.seqlens).num_splits(cache.num_splits);
+        if let Some(x) = cache.batch_idx {
+            meta = meta.batch_idx(x);
+        }
+        if let Some(t) = &cache.block_table {
+            meta = meta.paged(t.clone());
+        }
+        if let Some(x) = cache.leftpad {
+            meta = meta.leftpad(x);
+        }
+        if let Some((kn, vn)) = cache.new_kv {
+            meta = meta.append(units(kn), units(vn));
+        }
+        if let Some((c, s, inter)) = cache.rotary {
+            meta = meta.rotary(units(c), units(s), inter);
+        }
+        let p = KvProblem::new(spec, &uq, &uk, &uv, &meta, &uo, lse.len())?;
+        check_kernel_limits(&p, [&q.strides, &k_cache.strides, &v_cache.strides])?;
+        if !out.strides.iter().all(|x| x % 8 == 0 || *x == 1) {
+            return Err(Error::Unsupported(
+                "the CUDA KV-cache kernels need `out` strides that are multiples of 8".into(),
+            ));
+        }
+        let stream = self.stream();
+        let mut a = Addrs {
+            q: q.data.device_ptr(stream).0,
+            k: k_cache.data.device_ptr_mut(stream).0,
+            v: v_cache.data.device_ptr_mut(stream).0,
+            o: out.data.device_ptr_mut(stream).0,
+            lse: lse.device_ptr_mut(stream).0,
+            ..Addrs::default()
+        };
+        if let Some((kn, vn)) = cache.new_kv {
+            (a.k_new, a.v_new) = (kn.data.device_ptr(stream).0, vn.data.device_ptr(stream).0);
+        }
+        if let Some((c, s, _)) = cache.rotary {
+            (a.cos, a.sin) = (c.data.device_ptr(stream).0, s.data.device_ptr(stream).0);
+        }
+        Plan::new::<T, ()>(self, &p, cache.num_splits, a)?.launch(self, true)
     }
 }
 

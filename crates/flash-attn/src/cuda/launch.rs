@@ -2,8 +2,8 @@
 //! block, the grid.
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-    SyncOnDrop,
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg, SyncOnDrop,
 };
 
 use super::nvrtc::Arch;
@@ -437,11 +437,32 @@ fn warp_grid(warps: usize) -> Result<u32> {
     u32::try_from(warps.div_ceil(8)).map_err(|_| Error::Unsupported(format!("{warps} rows is too large a grid")))
 }
 
+/// Where the backward's scratch buffers sit in one zeroed allocation (offsets 256-byte aligned):
+/// the f32 dQ accumulator (`total_q · hq · w` floats, `w` the tile width: d rounded up to 64 or
+/// 128; the kernels address it by rows of `w`), D (one float per query row and head), and the
+/// `i32` semaphores (one per (sequence, head, query tile) in deterministic mode, else one).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BwdScratch {
+    pub d_offset: usize,
+    pub sem_offset: usize,
+    pub bytes: usize,
+}
+
+impl BwdScratch {
+    pub(crate) fn of(g: &Geometry<'_>, variant: &BwdVariant, deterministic: bool) -> Self {
+        let align = |x: usize| x.div_ceil(256) * 256;
+        let accum = 4 * (g.total_q * g.hq * variant.d).max(1);
+        let d_offset = align(accum);
+        let sem_offset = align(d_offset + 4 * g.lse_len().max(1));
+        let num_m_blocks = g.max_sq.div_ceil(variant.br).max(1);
+        let sems = if deterministic { g.seqs.len() * g.hq * num_m_blocks } else { 1 };
+        Self { d_offset, sem_offset, bytes: sem_offset + 4 * sems.max(1) }
+    }
+}
+
 /// The backward pass: D, then the main kernel, then dq's conversion, all on the device's
-/// stream. Extra device memory: the f32 dQ accumulator (`total_q · hq · w` floats, `w` the tile
-/// width: d rounded up to 64 or 128) and D (one
-/// float per query row and head), plus one `i32` per (sequence, head, query tile) in
-/// deterministic mode.
+/// stream. Scratch memory ([`BwdScratch`]) comes from `workspace` when given (zeroed here on
+/// the stream), else from a stream-ordered allocation freed after the call's work.
 pub(crate) fn backward<T: CudaElement>(
     dev: &Device,
     f: &BwdFunctions,
@@ -449,6 +470,7 @@ pub(crate) fn backward<T: CudaElement>(
     g: &Geometry<'_>,
     deterministic: bool,
     x: BwdBuffers<'_, '_, '_, '_, '_, T>,
+    workspace: Option<&mut CudaViewMut<'_, u8>>,
 ) -> Result<()> {
     let stream = dev.stream();
     let elem = std::mem::size_of::<T>();
@@ -456,14 +478,29 @@ pub(crate) fn backward<T: CudaElement>(
     let batch = g.seqs.len();
     let num_m_blocks = g.max_sq.div_ceil(br).max(1);
     let num_n_blocks = g.max_sk.div_ceil(bc);
-    let alloc = |what: &str, e| driver_error(what, e);
-    // Rows of the tile width (`variant.d`): the kernels address the accumulator by it.
-    let mut dq_accum = stream
-        .alloc_zeros::<f32>((g.total_q * g.hq * variant.d).max(1))
-        .map_err(|e| alloc("alloc dQ accumulator", e))?;
-    let mut dpsum = stream.alloc_zeros::<f32>(g.lse_len().max(1)).map_err(|e| alloc("alloc D", e))?;
-    let sems = if deterministic { batch * g.hq * num_m_blocks } else { 1 };
-    let mut dq_sem = stream.alloc_zeros::<i32>(sems.max(1)).map_err(|e| alloc("alloc semaphores", e))?;
+    let scratch = BwdScratch::of(g, variant, deterministic);
+    let mut owned = None;
+    let (base, _ws_sync) = match workspace {
+        Some(ws) => {
+            if ws.len() < scratch.bytes {
+                return Err(Error::BufferLength { tensor: "workspace", expected: scratch.bytes, got: ws.len() });
+            }
+            let mut used = ws.slice_mut(..scratch.bytes);
+            stream.memset_zeros(&mut used).map_err(|e| driver_error("zero the workspace", e))?;
+            let (p, sync) = ws.device_ptr_mut(stream);
+            if p % 256 != 0 {
+                return Err(Error::Unsupported("the backward's workspace must be 256-byte aligned".into()));
+            }
+            (p, Some(sync))
+        }
+        None => {
+            let buf = owned.insert(
+                stream.alloc_zeros::<u8>(scratch.bytes).map_err(|e| driver_error("alloc the backward's scratch", e))?,
+            );
+            let (p, _) = buf.device_ptr_mut(stream);
+            (p, None)
+        }
+    };
     let cu = upload_cu_seqlens(dev, g)?;
     check_extras(g, variant.extras, &variant.name())?;
     let alibi = upload_alibi(dev, g)?;
@@ -482,9 +519,7 @@ pub(crate) fn backward<T: CudaElement>(
     let (dqp, _dq_sync) = x.dq.data.device_ptr_mut(stream);
     let (dkp, _dk_sync) = x.dk.data.device_ptr_mut(stream);
     let (dvp, _dv_sync) = x.dv.data.device_ptr_mut(stream);
-    let (accp, _acc_sync) = dq_accum.device_ptr_mut(stream);
-    let (dpp, _dp_sync) = dpsum.device_ptr_mut(stream);
-    let (semp, _sem_sync) = dq_sem.device_ptr_mut(stream);
+    let (accp, dpp, semp) = (base, base + scratch.d_offset as u64, base + scratch.sem_offset as u64);
     for (name, ptr, layout) in [
         ("q", qp, &g.q),
         ("k", kp, &g.k),

@@ -372,6 +372,70 @@ impl Device {
         dv: &mut DeviceTensorMut<'_, T>,
         variant: Option<BwdVariant>,
     ) -> Result<()> {
+        self.backward_impl(spec, q, k, v, out, lse, dout, dq, dk, dv, variant, None)
+    }
+
+    /// Bytes of device scratch memory [`Device::backward`] needs for this problem: the `f32` dQ
+    /// accumulator, `D` (one `f32` per query row and head) and, deterministic, one `i32` per
+    /// (sequence, head, query tile). For callers that allocate it themselves, from their own
+    /// allocator, and pass it to [`Device::backward_with_workspace`].
+    pub fn backward_workspace_bytes<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k: &DeviceTensor<'_, T>,
+        v: &DeviceTensor<'_, T>,
+    ) -> Result<usize> {
+        let units = |n: usize| vec![(); n];
+        let (uq, uk, uv) = (units(q.data.len()), units(k.data.len()), units(v.data.len()));
+        let g = Geometry::new(
+            spec,
+            &Tensor::with_strides(&uq, &q.shape, &q.strides),
+            &Tensor::with_strides(&uk, &k.shape, &k.strides),
+            &Tensor::with_strides(&uv, &v.shape, &v.strides),
+        )?;
+        let variant = launch::supported_backward(&g, T::DTYPE, &self.arch)?;
+        Ok(launch::BwdScratch::of(&g, &variant, spec.is_deterministic()).bytes)
+    }
+
+    /// [`Device::backward`] with its scratch memory in `workspace` (at least
+    /// [`Device::backward_workspace_bytes`], 256-byte aligned; zeroed here on the stream, and
+    /// in use until the stream's work of this call is done) instead of a stream-ordered
+    /// allocation of the device's memory pool.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_with_workspace<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k: &DeviceTensor<'_, T>,
+        v: &DeviceTensor<'_, T>,
+        out: &DeviceTensor<'_, T>,
+        lse: &CudaView<'_, f32>,
+        dout: &DeviceTensor<'_, T>,
+        dq: &mut DeviceTensorMut<'_, T>,
+        dk: &mut DeviceTensorMut<'_, T>,
+        dv: &mut DeviceTensorMut<'_, T>,
+        workspace: &mut CudaViewMut<'_, u8>,
+    ) -> Result<()> {
+        self.backward_impl(spec, q, k, v, out, lse, dout, dq, dk, dv, None, Some(workspace))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward_impl<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k: &DeviceTensor<'_, T>,
+        v: &DeviceTensor<'_, T>,
+        out: &DeviceTensor<'_, T>,
+        lse: &CudaView<'_, f32>,
+        dout: &DeviceTensor<'_, T>,
+        dq: &mut DeviceTensorMut<'_, T>,
+        dk: &mut DeviceTensorMut<'_, T>,
+        dv: &mut DeviceTensorMut<'_, T>,
+        variant: Option<BwdVariant>,
+        workspace: Option<&mut CudaViewMut<'_, u8>>,
+    ) -> Result<()> {
         let units = |n: usize| vec![(); n];
         let (uq, uk, uv) = (units(q.data.len()), units(k.data.len()), units(v.data.len()));
         let (uo, udo) = (units(out.data.len()), units(dout.data.len()));
@@ -432,7 +496,7 @@ impl Device {
             dv,
             dv_layout,
         };
-        launch::backward(self, &f, &variant, &g, spec.is_deterministic(), buffers)
+        launch::backward(self, &f, &variant, &g, spec.is_deterministic(), buffers, workspace)
     }
 }
 
