@@ -277,6 +277,38 @@ fn check_len(name: &str, xs: &[i32], batch: usize) -> Result<()> {
     Ok(())
 }
 
+/// What validation reads of a cache tensor: its layout, checked as an output (no overlapping
+/// elements) when the call writes it, as an input when it only reads it.
+pub(crate) trait CacheView {
+    fn check_cache(&self, name: &'static str, layout: &'static str) -> Result<()>;
+    fn shape(&self) -> &[usize];
+    fn strides(&self) -> &[usize];
+}
+
+impl<T> CacheView for TensorMut<'_, T> {
+    fn check_cache(&self, name: &'static str, layout: &'static str) -> Result<()> {
+        self.check(name, layout, 4)
+    }
+    fn shape(&self) -> &[usize] {
+        TensorMut::shape(self)
+    }
+    fn strides(&self) -> &[usize] {
+        TensorMut::strides(self)
+    }
+}
+
+impl<T> CacheView for Tensor<'_, T> {
+    fn check_cache(&self, name: &'static str, layout: &'static str) -> Result<()> {
+        self.check(name, layout, 4)
+    }
+    fn shape(&self) -> &[usize] {
+        Tensor::shape(self)
+    }
+    fn strides(&self) -> &[usize] {
+        Tensor::strides(self)
+    }
+}
+
 fn layout4(strides: &[usize]) -> RowLayout {
     RowLayout { batch_stride: strides[0], token_stride: strides[1], head_stride: strides[2] }
 }
@@ -287,8 +319,8 @@ impl<'a, T> KvProblem<'a, T> {
     pub fn new<U>(
         spec: &AttentionSpec<'a>,
         q: &Tensor<'a, T>,
-        k_cache: &TensorMut<'_, T>,
-        v_cache: &TensorMut<'_, T>,
+        k_cache: &impl CacheView,
+        v_cache: &impl CacheView,
         cache: &KvCache<'a, T>,
         out: &TensorMut<'_, U>,
         lse_len: usize,
@@ -307,8 +339,8 @@ impl<'a, T> KvProblem<'a, T> {
         } else {
             ("[b_cache, s_cache, hk, d]", "[b_cache, s_cache, hk, dv]")
         };
-        k_cache.check("k_cache", lk, 4)?;
-        v_cache.check("v_cache", lv, 4)?;
+        k_cache.check_cache("k_cache", lk)?;
+        v_cache.check_cache("v_cache", lv)?;
         let (qs, ks, vs) = (q.shape(), k_cache.shape(), v_cache.shape());
         let (batch, sq, hq, d) = (qs[0], qs[1], qs[2], qs[3]);
         let (hk, dv) = (ks[2], vs[3]);
@@ -640,7 +672,7 @@ impl<T: Element> KvProblem<'_, T> {
 
 /// The cache-side shapes of a call, for a caller that allocates the outputs: `out [b, sq, hq,
 /// dv]` and `lse [b, hq, sq]`.
-fn output_shapes<T>(q: &Tensor<'_, T>, v_cache: &TensorMut<'_, T>) -> Result<(Vec<usize>, Vec<usize>)> {
+fn output_shapes<T>(q: &Tensor<'_, T>, v_cache: &impl CacheView) -> Result<(Vec<usize>, Vec<usize>)> {
     q.check("q", "[b, sq, hq, d]", 4)?;
     if v_cache.shape().len() != 4 {
         return Err(Error::Rank {
@@ -687,6 +719,43 @@ pub fn forward_into<T: Element>(
     let isa = Isa::resolve(p.cpu_isa)?;
     p.append(k_cache.data_mut(), v_cache.data_mut());
     crate::cpu::decode::forward(&p, isa, q.data(), k_cache.data_mut(), v_cache.data_mut(), out.data_mut(), lse)
+}
+
+/// Attention over a KV cache that the call only reads, allocating `out [b, sq, hq, dv]` and
+/// `lse [b, hq, sq]`: for frameworks whose tensors are immutable (candle). The caches are plain
+/// views (they may even overlap); `cache` must not [`append`](KvCache::append) (an
+/// [`Error::KvCache`]: there is nowhere to write).
+pub fn forward_readonly<T: Element>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k_cache: &Tensor<'_, T>,
+    v_cache: &Tensor<'_, T>,
+    cache: &KvCache<'_, T>,
+) -> Result<Output<T>> {
+    let (out_shape, lse_shape) = output_shapes(q, v_cache)?;
+    let mut out = try_vec("out", numel("out", &out_shape)?, T::default())?;
+    let mut lse = try_vec("lse", numel("lse", &lse_shape)?, 0.0f32)?;
+    forward_readonly_into(spec, q, k_cache, v_cache, cache, &mut TensorMut::new(&mut out, &out_shape), &mut lse)?;
+    Ok(Output { out, out_shape, lse, lse_shape })
+}
+
+/// [`forward_readonly`] into caller-provided `out` (possibly strided) and contiguous `lse`.
+pub fn forward_readonly_into<T: Element>(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, T>,
+    k_cache: &Tensor<'_, T>,
+    v_cache: &Tensor<'_, T>,
+    cache: &KvCache<'_, T>,
+    out: &mut TensorMut<'_, T>,
+    lse: &mut [f32],
+) -> Result<()> {
+    if cache.new_kv.is_some() {
+        return Err(cache_err("a read-only KV-cache call cannot append new tokens".into()));
+    }
+    let p = KvProblem::new(spec, q, k_cache, v_cache, cache, out, lse.len())?;
+    crate::cpu::decode::check_head_dims(p.d, p.dv)?;
+    let isa = Isa::resolve(p.cpu_isa)?;
+    crate::cpu::decode::forward(&p, isa, q.data(), k_cache.data(), v_cache.data(), out.data_mut(), lse)
 }
 
 /// The rotated queries FlashAttention attends with: `q [b, sq, hq, d]` with the first `rd`

@@ -815,3 +815,32 @@ mod cuda {
         }
     }
 }
+
+/// `forward_readonly` (caches only read, for immutable frameworks) gives the bits `forward` gives
+/// when nothing is appended, and refuses a call that appends.
+#[test]
+fn read_only_calls_equal_the_writing_ones_and_refuse_appends() {
+    let mut rng = Rng::new(404);
+    for _ in 0..48 {
+        let mut s = Setup::random(&mut rng, 300);
+        let data = s.data::<half::bf16>(&mut rng);
+        let (ks, vs) = s.cache_shapes();
+        let q = Tensor::new(&data.q, &[s.b, s.sq, s.hq, s.d]);
+        let (kc, vc) = (Tensor::new(&data.k_cache, &ks), Tensor::new(&data.v_cache, &vs));
+        let readonly = kvcache::forward_readonly(&s.spec(&data, None), &q, &kc, &vc, &s.cache(&data));
+        if s.sn > 0 {
+            assert!(matches!(readonly, Err(Error::KvCache(_))), "an append must be refused: {s:?}");
+            s.sn = 0;
+        }
+        let readonly = kvcache::forward_readonly(&s.spec(&data, None), &q, &kc, &vc, &s.cache(&data));
+        match (readonly, s.run(&data, None)) {
+            (Ok(r), Ok((out, lse, _, _))) => {
+                let bits = |x: &[half::bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&r.out) == bits(&out), "out differs: {s:?}");
+                assert!(r.lse.iter().zip(&lse).all(|(a, b)| a.to_bits() == b.to_bits()), "lse differs: {s:?}");
+            }
+            (Err(a), Err(b)) => assert_eq!(a, b),
+            (a, b) => panic!("read-only {a:?} vs writing {b:?}: {s:?}"),
+        }
+    }
+}
