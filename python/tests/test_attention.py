@@ -289,3 +289,18 @@ def test_cuda_backward_scratch_comes_from_torch():
     grads = 3 * b * s * h * d * 2
     accum = 4 * b * s * h * d
     assert torch.cuda.max_memory_allocated() - before >= grads + accum
+
+
+def test_varlen_tokens_past_the_last_sequence_give_zero_and_minus_inf(device_dtype, gen):
+    """DESIGN §2: packed rows past cu_seqlens[-1] are no sequence's; their output is 0 and their
+    lse -inf, whatever the output buffer held before."""
+    device, dtype = device_dtype
+    q = torch.randn(40, 2, 32, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(40, 2, 32, generator=gen).to(device=device, dtype=dtype)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=device)
+    for _ in range(2):  # the second call reuses freed (non-zero) memory from the caching allocator
+        junk = torch.full((4096,), 7.0, device=device)
+        del junk
+        out, lse, _ = fa.flash_attn_varlen_func(q, k, k, cu, cu, 20, 20, causal=True, return_attn_probs=True)
+        assert torch.equal(out[30:].float(), torch.zeros(10, 2, 32, device=device))
+        assert torch.isneginf(lse[:, 30:]).all()

@@ -12,9 +12,11 @@
 //! ```
 //!
 //! CPU tensors (f32, f16, bf16) run on the library's CPU backend, with no build step beyond
-//! `cargo`. CUDA tensors are not wired yet: a CUDA tensor gets candle's "no cuda implementation"
-//! error. (candle's own CUDA storage compiles candle's kernels with `nvcc` at build time; this
-//! library's kernels need none.)
+//! `cargo`. CUDA tensors (f16, bf16) need this crate's `cuda` feature, which turns on candle's
+//! CUDA storage: candle compiles its own kernels with `nvcc` at build time and links the CUDA
+//! libraries, so that build needs a CUDA toolkit; this library's kernels need neither (NVRTC
+//! compiles them at run time). Without the feature, a CUDA tensor gets candle's "no cuda
+//! implementation" error.
 //!
 //! ```
 //! use candle::{Device, Tensor};
@@ -43,14 +45,17 @@ use flash_attn::{AttentionSpec, Element};
 
 pub use candle::{Error, Result};
 
+#[cfg(feature = "cuda")]
+mod gpu;
+
 /// A library error as a candle error (its message kept).
-fn wrap(e: flash_attn::Error) -> Error {
+pub(crate) fn wrap(e: flash_attn::Error) -> Error {
     Error::wrap(e)
 }
 
 /// What one call computes, besides its tensors.
 #[derive(Debug, Clone)]
-struct Options {
+pub(crate) struct Options {
     softmax_scale: f32,
     window_left: Option<usize>,
     window_right: Option<usize>,
@@ -58,7 +63,7 @@ struct Options {
     /// Host copy of the ALiBi slopes and their shape.
     alibi: Option<(Vec<f32>, Vec<usize>)>,
     /// Host copies of the cumulative lengths, as `i32`.
-    varlen: Option<(Vec<i32>, Vec<i32>)>,
+    pub(crate) varlen: Option<(Vec<i32>, Vec<i32>)>,
 }
 
 /// A window side as the library takes it: `-1` unbounded.
@@ -96,7 +101,7 @@ impl Options {
     }
 
     /// The library's spec (borrowing the host copies).
-    fn spec(&self) -> AttentionSpec<'_> {
+    pub(crate) fn spec(&self) -> AttentionSpec<'_> {
         let mut spec = AttentionSpec::new().scale(self.softmax_scale);
         match (self.window_left, self.window_right) {
             (None, None) => {}
@@ -131,10 +136,12 @@ fn cumulative(name: &str, t: &Tensor) -> Result<Vec<i32>> {
 #[derive(Debug, Clone)]
 enum Saved {
     Cpu(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(cudarc::driver::CudaSlice<f32>),
 }
 
-/// The attention op: forward on the CPU, backward by recomputation from the log-sum-exp the
-/// forward left in `saved`.
+/// The attention op: forward on the CPU (and CUDA with the `cuda` feature), backward by
+/// recomputation from the log-sum-exp the forward left in `saved`.
 struct FlashAttnOp {
     opts: Options,
     saved: Mutex<Option<Saved>>,
@@ -165,7 +172,7 @@ fn view<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<flash_attn::T
     Ok(flash_attn::Tensor::with_strides(data, l.dims(), l.stride()))
 }
 
-fn check_dtypes(q: DType, k: DType, v: DType) -> Result<()> {
+pub(crate) fn check_dtypes(q: DType, k: DType, v: DType) -> Result<()> {
     if q != k || q != v {
         candle::bail!("q, k and v must share one dtype, got {q:?}, {k:?}, {v:?}");
     }
@@ -229,6 +236,21 @@ impl CustomOp3 for FlashAttnOp {
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle::CudaStorage,
+        ql: &Layout,
+        k: &candle::CudaStorage,
+        kl: &Layout,
+        v: &candle::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        let (out, shape, lse) = gpu::fwd(&self.opts, (q, ql), (k, kl), (v, vl))?;
+        self.save(Saved::Cuda(lse));
+        Ok((out, shape))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -247,6 +269,8 @@ impl CustomOp3 for FlashAttnOp {
                 DType::BF16 => self.cpu_bwd_t::<half::bf16>(t, &lse)?,
                 dt => candle::bail!("flash-attn takes f32, f16 and bf16 on the CPU, got {dt:?}"),
             },
+            #[cfg(feature = "cuda")]
+            Saved::Cuda(lse) => gpu::bwd(&self.opts, t, &lse)?,
         };
         let [dq, dk, dv] = grads;
         Ok((Some(dq), Some(dk), Some(dv)))

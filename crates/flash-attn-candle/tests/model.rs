@@ -10,7 +10,6 @@
 
 use candle::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
-
 #[derive(Debug, Clone, Copy)]
 struct Config {
     vocab: usize,
@@ -72,7 +71,7 @@ fn rotary(x: &Tensor) -> Result<Tensor> {
     let inv = Tensor::from_vec(inv, (1, d / 2), x.device())?;
     let pos = Tensor::arange(0u32, s as u32, x.device())?.to_dtype(DType::F32)?.reshape((s, 1))?;
     let angles = pos.broadcast_mul(&inv)?;
-    let (cos, sin) = (angles.cos()?, angles.sin()?);
+    let (cos, sin) = (angles.cos()?.to_dtype(x.dtype())?, angles.sin()?.to_dtype(x.dtype())?);
     let x1 = x.narrow(D::Minus1, 0, d / 2)?;
     let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
     let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
@@ -134,7 +133,7 @@ impl Llama {
                 let (k, v) = (expand(&k)?, expand(&v)?);
                 let att = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * f64::from(scale))?;
                 let mask: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 }).collect();
-                let mask = Tensor::from_vec(mask, (s, s), x.device())?;
+                let mask = Tensor::from_vec(mask, (s, s), x.device())?.to_dtype(att.dtype())?;
                 let att = candle_nn::ops::softmax(&att.broadcast_add(&mask)?, D::Minus1)?;
                 att.matmul(&v.contiguous()?)?.transpose(1, 2)?
             }
@@ -154,7 +153,7 @@ impl Llama {
     }
 
     fn loss(&self, ids: &Tensor) -> Result<Tensor> {
-        let logits = self.forward(ids)?;
+        let logits = self.forward(ids)?.to_dtype(DType::F32)?;
         let (b, s, v) = logits.dims3()?;
         candle_nn::loss::cross_entropy(&logits.reshape((b * s, v))?, &ids.reshape(b * s)?)
     }
@@ -177,9 +176,64 @@ fn twins() -> Result<(Llama, Llama, VarMap, VarMap)> {
 }
 
 fn batch(seed: u64) -> Result<Tensor> {
+    batch_on(seed, &Device::Cpu)
+}
+
+fn batch_on(seed: u64, dev: &Device) -> Result<Tensor> {
     let mut rng = flash_attn::check::Rng::new(seed);
     let ids: Vec<u32> = (0..2 * 40).map(|_| rng.range(0, CFG.vocab - 1) as u32).collect();
-    Tensor::from_vec(ids, (2, 40), &Device::Cpu)
+    Tensor::from_vec(ids, (2, 40), dev)
+}
+
+/// A model on `dev` in `dtype` with the weights of `master` (cast).
+#[cfg(feature = "cuda")]
+fn copy_of(master: &VarMap, dev: &Device, dtype: DType, attn: Attn) -> Result<(Llama, VarMap)> {
+    let map = VarMap::new();
+    let model = Llama::new(VarBuilder::from_varmap(&map, dtype, dev), attn)?;
+    let src = master.data().lock().map_err(|_| candle::Error::Msg("poisoned".into()))?;
+    let dst = map.data().lock().map_err(|_| candle::Error::Msg("poisoned".into()))?;
+    for (name, var) in src.iter() {
+        let twin = dst.get(name).ok_or_else(|| candle::Error::Msg(format!("no twin for {name}")))?;
+        twin.set(&var.as_tensor().to_device(dev)?.to_dtype(dtype)?)?;
+    }
+    drop((src, dst));
+    Ok((model, map))
+}
+
+/// On the GPU in bf16 (the CUDA kernels' dtypes): ours and candle's eager attention in bf16 each
+/// against the f32 CPU model; ours may be at most twice as far (plus a floor), for the logits and
+/// for the losses of three SGD steps.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_tiny_llama_in_bf16_matches_eager_attention() -> Result<()> {
+    let gpu = Device::new_cuda(0)?;
+    let (_, reference, _, master) = twins()?;
+    let (ours, ours_vars) = copy_of(&master, &gpu, DType::BF16, Attn::Ours)?;
+    let (eager, eager_vars) = copy_of(&master, &gpu, DType::BF16, Attn::Eager)?;
+    let ids = batch(1)?;
+    let want = reference.forward(&ids)?;
+    let on_cpu = |t: Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+    let a = on_cpu(ours.forward(&ids.to_device(&gpu)?)?)?;
+    let b = on_cpu(eager.forward(&ids.to_device(&gpu)?)?)?;
+    let ((ea, scale), (eb, _)) = (max_diff(&a, &want)?, max_diff(&b, &want)?);
+    assert!(ea <= 2.0 * eb + 1e-2 * scale.max(1.0), "logits: ours {ea}, eager bf16 {eb} (scale {scale})");
+    let mut opt_a = candle_nn::SGD::new(ours_vars.all_vars(), 0.5)?;
+    let mut opt_b = candle_nn::SGD::new(eager_vars.all_vars(), 0.5)?;
+    let mut opt_r = candle_nn::SGD::new(master.all_vars(), 0.5)?;
+    for step in 0..3 {
+        let ids = batch_on(20 + step, &Device::Cpu)?;
+        let (la, lb, lr) =
+            (ours.loss(&ids.to_device(&gpu)?)?, eager.loss(&ids.to_device(&gpu)?)?, reference.loss(&ids)?);
+        let (x, y, r) = (la.to_scalar::<f32>()?, lb.to_scalar::<f32>()?, lr.to_scalar::<f32>()?);
+        assert!(
+            (x - r).abs() <= 2.0 * (y - r).abs() + 2e-2 * r.abs(),
+            "step {step}: loss ours {x}, eager {y}, f32 {r}"
+        );
+        opt_a.backward_step(&la)?;
+        opt_b.backward_step(&lb)?;
+        opt_r.backward_step(&lr)?;
+    }
+    Ok(())
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {

@@ -116,7 +116,7 @@ impl Problem {
     /// when the problem is varlen).
     fn call(&self, q: &Tensor, k: &Tensor, v: &Tensor, f: usize) -> candle::Result<Tensor> {
         let alibi = match &self.alibi {
-            Some(a) => Some(Tensor::from_vec(a.clone(), self.hq, &Device::Cpu)?),
+            Some(a) => Some(Tensor::from_vec(a.clone(), self.hq, q.device())?),
             None => None,
         };
         let (l, r) = self.window;
@@ -135,7 +135,7 @@ impl Problem {
             Some(cu) => {
                 let cu: Vec<u32> = cu.iter().map(|&x| x as u32).collect();
                 let n = cu.len();
-                let s = &Tensor::from_vec(cu, n, &Device::Cpu)?;
+                let s = &Tensor::from_vec(cu, n, q.device())?;
                 let m = self.sq;
                 match f % 5 {
                     0 => flash_attn_candle::flash_attn_varlen(q, k, v, s, s, m, m, sc, causal),
@@ -156,19 +156,20 @@ fn random<T: Element>(rng: &mut Rng, shape: &[usize]) -> Vec<T> {
 }
 
 fn host<T: Element + candle::WithDType>(t: &Tensor) -> Vec<T> {
-    t.flatten_all().and_then(|t| t.to_vec1::<T>()).expect("to host")
+    t.flatten_all().and_then(|t| t.to_device(&Device::Cpu)).and_then(|t| t.to_vec1::<T>()).expect("to host")
 }
 
-/// Forward and backward of one problem in dtype `T` against the oracle.
-fn check_problem<T: Element + candle::WithDType>(p: &Problem, rng: &mut Rng, f: usize) {
+/// Forward and backward of one problem in dtype `T` on `dev` against the oracle.
+fn check_problem<T: Element + candle::WithDType>(p: &Problem, rng: &mut Rng, f: usize, dev: &Device) {
     let (qs, ks) = (p.q_shape(), p.k_shape());
     let (q, k, v, dout) = (random::<T>(rng, &qs), random::<T>(rng, &ks), random::<T>(rng, &ks), random::<T>(rng, &qs));
-    let dev = Device::Cpu;
+    let dev = dev.clone();
     let var =
         |x: &[T], s: &[usize]| Var::from_tensor(&Tensor::from_vec(x.to_vec(), s, &dev).expect("tensor")).expect("var");
     let (qv, kv, vv) = (var(&q, &qs), var(&k, &ks), var(&v, &ks));
     let out = p.call(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), f).expect("our call");
     assert_eq!(out.dims(), qs.as_slice());
+    assert!(out.device().same_device(&dev));
     let dout_t = Tensor::from_vec(dout.clone(), qs.as_slice(), &dev).expect("tensor");
     let loss = (&out * &dout_t).and_then(|x| x.to_dtype(DType::F32)).and_then(|x| x.sum_all()).expect("loss");
     let grads = loss.backward().expect("backward");
@@ -201,9 +202,26 @@ fn every_function_meets_the_contract_forward_and_backward() {
         let (f, varlen, dtype) = (case % 5, (case / 5) % 2 == 1, (case / 10) % 3);
         let p = Problem::random(&mut rng, varlen).for_function(f, &mut rng);
         match dtype {
-            0 => check_problem::<f32>(&p, &mut rng, f),
-            1 => check_problem::<bf16>(&p, &mut rng, f),
-            _ => check_problem::<f16>(&p, &mut rng, f),
+            0 => check_problem::<f32>(&p, &mut rng, f, &Device::Cpu),
+            1 => check_problem::<bf16>(&p, &mut rng, f, &Device::Cpu),
+            _ => check_problem::<f16>(&p, &mut rng, f, &Device::Cpu),
+        }
+    }
+}
+
+/// The same on CUDA tensors (f16, bf16): the library's kernels on candle's buffers and stream.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_every_function_meets_the_contract_forward_and_backward() {
+    let dev = Device::new_cuda(0).expect("a CUDA device (this test needs the GPU it was built for)");
+    let mut rng = Rng::new(0xc0da);
+    for case in 0..40 {
+        let (f, varlen, half) = (case % 5, (case / 5) % 2 == 1, (case / 10) % 2);
+        let p = Problem::random(&mut rng, varlen).for_function(f, &mut rng);
+        if half == 0 {
+            check_problem::<bf16>(&p, &mut rng, f, &dev);
+        } else {
+            check_problem::<f16>(&p, &mut rng, f, &dev);
         }
     }
 }

@@ -53,7 +53,7 @@
 
 pub mod check;
 pub mod cpu;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 pub mod cuda;
 pub mod dtype;
 pub mod error;

@@ -2,7 +2,7 @@
 //! one they are reported as ignored, never as passed; on a machine with a GPU run them with
 //! `cargo test --release --features cuda --test cuda -- --include-ignored`, where they fail if the
 //! device or NVRTC is missing. The rest check what needs no device (typed errors, tile widths).
-#![cfg(feature = "cuda")]
+#![cfg(feature = "cuda-backend")]
 
 use flash_attn::check::{compare_gradients, report, BlockCase, Case, Rng, Storage};
 use flash_attn::cuda::{self, Arch, BwdVariant, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
@@ -493,4 +493,46 @@ fn backward_with_a_caller_workspace_equals_the_pooled_one() {
     }
     let mut short = stream.clone_htod(&vec![0u8; bytes - 1]).expect("upload");
     assert!(matches!(run(Some(&mut short)), Err(Error::BufferLength { tensor: "workspace", .. })));
+}
+
+/// Varlen tokens past the last sequence get `out = 0` and `lse = -inf` (DESIGN §2) from
+/// `Device::forward` on caller buffers that held anything before, contiguous or strided.
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn varlen_rows_past_the_last_sequence_are_zero_with_minus_inf_lse() {
+    let dev = cuda::default_device().expect("a CUDA device");
+    let mut rng = Rng::new(41);
+    let (tq, h, d) = (50usize, 2usize, 64usize);
+    let x: Vec<bf16> = (0..tq * h * d).map(|_| bf16::from_f64(rng.normal())).collect();
+    let cu = [0i32, 12, 31];
+    let spec = AttentionSpec::new().causal().varlen(&cu, &cu);
+    let data = dev.upload(&x).expect("upload");
+    let t = cuda::DeviceTensor::new(data.as_view(), &[tq, h, d]);
+    let stream = dev.stream();
+    // Rows of out padded to 2 * d (strided), and a contiguous out; both start full of 7s.
+    for padded in [false, true] {
+        let row = if padded { 2 * d } else { d };
+        let mut out = dev.upload(&vec![bf16::from_f32(7.0); tq * h * row]).expect("upload");
+        let mut lse = stream.clone_htod(&vec![7.0f32; h * tq]).expect("upload");
+        let strides = [h * row, row, 1];
+        dev.forward(
+            &spec,
+            &t,
+            &t,
+            &t,
+            &mut cuda::DeviceTensorMut::with_strides(out.as_view_mut(), &[tq, h, d], &strides),
+            &mut lse.as_view_mut(),
+        )
+        .expect("forward");
+        let (out, lse) = (stream.clone_dtoh(&out).expect("download"), stream.clone_dtoh(&lse).expect("download"));
+        for tok in 31..tq {
+            for hh in 0..h {
+                let at = tok * h * row + hh * row;
+                assert!(out[at..at + d].iter().all(|v| v.to_f32() == 0.0), "token {tok} head {hh} (padded {padded})");
+                assert_eq!(lse[hh * tq + tok], f32::NEG_INFINITY);
+            }
+        }
+        // A covered row was written by the kernel.
+        assert!(out[..d].iter().any(|v| v.to_f32() != 7.0));
+    }
 }

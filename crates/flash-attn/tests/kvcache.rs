@@ -626,7 +626,7 @@ fn varlen_block_mask_and_dropout_are_refused() {
 
 /// The same problems on the CUDA backend (f16 and bf16, `d == dv` a multiple of 8), against the
 /// same oracle and cache checks; skipped where no GPU is present.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 mod cuda {
     use super::*;
 

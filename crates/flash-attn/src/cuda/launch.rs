@@ -403,6 +403,45 @@ pub(crate) fn forward<T: CudaElement>(
     // device buffer checked (through `Geometry`) to hold every element the kernel touches, and
     // the sync guards above keep them ordered on this stream until the launch is enqueued.
     unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd", e))?;
+    fill_varlen_tail(stream, g, (op, o_layout, elem), lp)
+}
+
+/// Varlen tokens past the last sequence belong to none: their `out` rows are 0 and their `lse`
+/// entries `-inf` (DESIGN §2). The kernel only visits sequences, so those rows are set here, on
+/// the stream, whatever the caller's buffers held.
+fn fill_varlen_tail(
+    stream: &CudaStream,
+    g: &Geometry<'_>,
+    (op, o, elem): (u64, RowLayout, usize),
+    lp: u64,
+) -> Result<()> {
+    let covered = g.seqs.last().map_or(0, |s| s.q_start + s.sq);
+    if !g.varlen || covered >= g.total_q {
+        return Ok(());
+    }
+    let (rows, row_bytes) = (g.total_q - covered, g.dv * elem);
+    let memset = |ptr: u64, bytes: usize| {
+        // SAFETY: `ptr .. ptr + bytes` lies inside `out`, whose extent the geometry checked.
+        unsafe { cudarc::driver::sys::cuMemsetD8Async(ptr, 0, bytes, stream.cu_stream()) }
+            .result()
+            .map_err(|e| driver_error("zero the rows past the last sequence", e))
+    };
+    if o.head_stride == g.dv && o.token_stride == g.hq * g.dv {
+        memset(op + (covered * o.token_stride * elem) as u64, rows * g.hq * row_bytes)?;
+    } else {
+        for t in covered..g.total_q {
+            for h in 0..g.hq {
+                memset(op + ((t * o.token_stride + h * o.head_stride) * elem) as u64, row_bytes)?;
+            }
+        }
+    }
+    for h in 0..g.hq {
+        let at = lp + (4 * (h * g.total_q + covered)) as u64;
+        // SAFETY: `lse` is contiguous `[hq, tq]` (its length checked): `rows` floats per head.
+        unsafe { cudarc::driver::sys::cuMemsetD32Async(at, f32::NEG_INFINITY.to_bits(), rows, stream.cu_stream()) }
+            .result()
+            .map_err(|e| driver_error("set lse past the last sequence", e))?;
+    }
     Ok(())
 }
 

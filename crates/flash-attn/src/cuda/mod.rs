@@ -88,11 +88,24 @@ pub(crate) fn driver_error(what: &str, e: DriverError) -> Error {
     }
 }
 
+/// Whether the driver library can be loaded: dlopen by its candidate names (feature `cuda`), or
+/// always with the library linked (`cuda-linked`: the process would not have started without it).
+fn library_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: only tries to dlopen the library by its candidate names.
+        unsafe { sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        true
+    }
+}
+
 /// Whether the CUDA driver library can be loaded (checked before any driver call).
 pub fn driver_available() -> Result<()> {
     static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: only tries to dlopen the library by its candidate names.
-    if *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() }) {
+    if *PRESENT.get_or_init(library_present) {
         Ok(())
     } else {
         Err(Error::CudaUnavailable("the CUDA driver library (libcuda.so.1) was not found".into()))

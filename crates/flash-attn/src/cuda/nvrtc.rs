@@ -9,12 +9,25 @@ use cudarc::nvrtc::sys;
 
 use crate::error::{Error, Result};
 
+/// Whether NVRTC can be used: dlopen by its candidate names (feature `cuda`), or always with the
+/// library linked (`cuda-linked`).
+fn library_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: only tries to dlopen the library by its candidate names.
+        unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        true
+    }
+}
+
 /// Whether the NVRTC shared library can be loaded; checked before any NVRTC call, because
 /// `cudarc` panics on a missing library.
 pub fn available() -> Result<()> {
     static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: only tries to dlopen the library by its candidate names.
-    if *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() }) {
+    if *PRESENT.get_or_init(library_present) {
         Ok(())
     } else {
         Err(Error::NvrtcUnavailable(
