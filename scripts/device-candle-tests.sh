@@ -20,7 +20,7 @@ for t in ops model; do
     "$dir/$t" || status=1
 done
 if [ "${MEMCHECK:-0}" = 1 ]; then
-    compute-sanitizer --tool memcheck --print-limit 10 "$dir/ops" cuda_every 2>&1 | tail -4
+    compute-sanitizer --tool memcheck --print-limit 10 "$dir/ops" cuda_ 2>&1 | tail -4
 fi
 if [ "${BENCH:-0}" = 1 ]; then
     "$dir/candle_bench"

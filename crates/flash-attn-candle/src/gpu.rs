@@ -154,3 +154,70 @@ fn bwd_t<T: CudaElement + CudaDType>(opts: &Options, t: [&Tensor; 5], lse: &Cuda
     };
     Ok([tensor(dq, qd), tensor(dk, kd), tensor(dv, vd)])
 }
+
+/// `q [b, sq, hq, d]` over a paged cache on the GPU (see `paged_call` in the crate root): the
+/// library's decode kernels, reading the cache in place.
+pub(crate) fn paged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens: &[i32],
+    table: (&[i32], usize),
+    opts: &Options,
+) -> Result<Tensor> {
+    crate::check_dtypes(q.dtype(), k.dtype(), v.dtype())?;
+    match q.dtype() {
+        DType::F16 => paged_t::<f16>(q, k, v, seqlens, table, opts),
+        DType::BF16 => paged_t::<bf16>(q, k, v, seqlens, table, opts),
+        dt => candle::bail!("the CUDA kernels take f16 and bf16, got {dt:?}"),
+    }
+}
+
+fn paged_t<T: CudaElement + CudaDType>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens: &[i32],
+    (table, width): (&[i32], usize),
+    opts: &Options,
+) -> Result<Tensor> {
+    let guards = [q, k, v].map(|x| x.storage_and_layout());
+    let mut st = Vec::with_capacity(3);
+    for (g, l) in &guards {
+        match &**g {
+            Storage::Cuda(s) => st.push((s, *l)),
+            _ => candle::bail!("flash_attn_varlen_paged_windowed: q, k and v must share one device"),
+        }
+    }
+    let cd = &st[0].0.device;
+    let dev = on_stream(cd)?;
+    let views: Vec<DeviceTensor<'_, T>> =
+        st.iter().map(|(s, l)| view(s.as_cuda_slice::<T>()?, l)).collect::<Result<_>>()?;
+    let (qd, vd) = (st[0].1.dims(), st[2].1.dims());
+    let (b, sq, hq) = match qd {
+        &[b, sq, hq, _] => (b, sq, hq),
+        _ => candle::bail!("q must be [b, sq, hq, d], got {qd:?}"),
+    };
+    let out_shape = vec![b, sq, hq, *vd.last().unwrap_or(&0)];
+    let n_out = out_shape.iter().product::<usize>();
+    let mut out = cd.alloc_zeros::<T>(n_out.max(1))?;
+    let mut lse = cd.alloc_zeros::<f32>((b * hq * sq).max(1))?;
+    let block_table = flash_attn::Tensor::new(table, &[seqlens.len(), width]);
+    let meta = flash_attn::cuda::decode::DeviceKvCache::new(seqlens).paged(block_table);
+    dev.kvcache_forward_readonly(
+        &opts.spec(),
+        &views[0],
+        &views[1],
+        &views[2],
+        &meta,
+        &mut DeviceTensorMut::new(out.slice_mut(..n_out), &out_shape),
+        &mut lse.slice_mut(..b * hq * sq),
+    )
+    .map_err(wrap)?;
+    Ok(Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(out, cd.clone())),
+        out_shape,
+        BackpropOp::none(),
+        false,
+    ))
+}

@@ -456,7 +456,9 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
 /// `seqlens_k[i + 1] - seqlens_k[i]` keys in the pages `block_table[i]` lists (`[b, max_blocks]`,
 /// u32 or i32), causal bottom-right when `window_size_right` is `Some(0)` (and no left bound).
 /// Any page size. The cache is only read. `mm_prefix_ranges` (candle-flash-attn's mask bypass) is
-/// not supported: `Some` is an error. No backward (an inference op). CPU tensors.
+/// not supported: `Some` is an error. No backward (an inference op). CPU and CUDA tensors; when
+/// every sequence has the same number of queries (decoding) the batch is one call, else one call a
+/// sequence.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_paged_windowed(
     q: &Tensor,
@@ -492,41 +494,76 @@ pub fn flash_attn_varlen_paged_windowed(
     };
     let table: Vec<Vec<i64>> = table.to_vec2::<i64>()?;
     let opts = Options::new(softmax_scale, window_size_left, window_size_right).with_softcap(softcap.unwrap_or(0.0));
-    let mut outs = Vec::with_capacity(cq.len() - 1);
-    for i in 0..cq.len() - 1 {
-        let (q0, q1) = (cq[i] as usize, cq[i + 1] as usize);
-        if q1 < q0 || q1 > q.dim(0)? {
-            candle::bail!("seqlens_q is not a valid cumulative length list for q {:?}", q.dims());
-        }
-        let sk = ck[i + 1] - ck[i];
+    let b = cq.len() - 1;
+    let width = table.first().map_or(0, Vec::len);
+    let mut flat = Vec::with_capacity(b * width);
+    for i in 0..b {
         let row = table.get(i).ok_or_else(|| Error::Msg(format!("block_table has no row {i}")))?;
-        let row: Vec<i32> = row
-            .iter()
-            .map(|&x| i32::try_from(x).map_err(|_| Error::Msg(format!("block_table entry {x} is out of range"))))
-            .collect::<Result<_>>()?;
-        let qi = q.narrow(0, q0, q1 - q0)?.unsqueeze(0)?;
-        outs.push(paged_one(&qi, k, v, sk, &row, &opts)?.squeeze(0)?);
+        for &x in row {
+            flat.push(i32::try_from(x).map_err(|_| Error::Msg(format!("block_table entry {x} is out of range")))?);
+        }
+    }
+    let lens_q: Vec<usize> = cq.windows(2).map(|w| (w[1] - w[0]).max(0) as usize).collect();
+    let seqlens: Vec<i32> = ck.windows(2).map(|w| w[1] - w[0]).collect();
+    if cq.windows(2).any(|w| w[1] < w[0]) || cq[b] as usize > q.dim(0)? {
+        candle::bail!("seqlens_q is not a valid cumulative length list for q {:?}", q.dims());
+    }
+    let (hq, d) = (q.dim(1)?, q.dim(2)?);
+    // Decoding (every sequence the same number of queries): one call over the whole batch.
+    if lens_q.iter().all(|&l| l == lens_q[0]) && cq[b] as usize == q.dim(0)? {
+        let sq = lens_q[0];
+        let q4 = q.reshape((b, sq, hq, d))?;
+        return paged_call(&q4, k, v, &seqlens, (&flat, width), &opts)?.reshape((b * sq, hq, ()));
+    }
+    let mut outs = Vec::with_capacity(b);
+    for i in 0..b {
+        let qi = q.narrow(0, cq[i] as usize, lens_q[i])?.unsqueeze(0)?;
+        let row = &flat[i * width..(i + 1) * width];
+        outs.push(paged_call(&qi, k, v, &seqlens[i..i + 1], (row, width), &opts)?.squeeze(0)?);
     }
     Tensor::cat(&outs, 0)
 }
 
-/// One sequence of [`flash_attn_varlen_paged_windowed`]: `q [1, sq, hq, d]` over `sk` keys in
-/// pages `row`.
-fn paged_one(q: &Tensor, k: &Tensor, v: &Tensor, sk: i32, row: &[i32], opts: &Options) -> Result<Tensor> {
+/// `q [b, sq, hq, d]` over the paged cache: sequence `i` has `seqlens[i]` keys in the pages of
+/// row `i` of `table` (`[b, width]`, flattened). CPU or CUDA.
+fn paged_call(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens: &[i32],
+    table: (&[i32], usize),
+    opts: &Options,
+) -> Result<Tensor> {
+    match q.device() {
+        candle::Device::Cpu => paged_cpu(q, k, v, seqlens, table, opts),
+        #[cfg(feature = "cuda")]
+        candle::Device::Cuda(_) => gpu::paged(q, k, v, seqlens, table, opts),
+        other => candle::bail!("flash_attn_varlen_paged_windowed does not run on {other:?}"),
+    }
+}
+
+/// [`paged_call`] on the CPU.
+fn paged_cpu(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens: &[i32],
+    table: (&[i32], usize),
+    opts: &Options,
+) -> Result<Tensor> {
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
     let (ks, kl) = k.storage_and_layout();
     let (vs, vl) = v.storage_and_layout();
     let (Storage::Cpu(qs), Storage::Cpu(ks), Storage::Cpu(vs)) = (&*qs, &*ks, &*vs) else {
-        candle::bail!("flash_attn_varlen_paged_windowed runs on CPU tensors");
+        candle::bail!("flash_attn_varlen_paged_windowed: q, k and v must share one device");
     };
     check_dtypes(qs.dtype(), ks.dtype(), vs.dtype())?;
-    let seqlens = [sk];
     let spec = opts.spec();
     macro_rules! go {
         ($t:ty) => {{
-            let table = flash_attn::Tensor::new(row, &[1, row.len()]);
-            let cache = KvCache::<$t>::new(&seqlens).paged(table);
+            let block_table = flash_attn::Tensor::new(table.0, &[seqlens.len(), table.1]);
+            let cache = KvCache::<$t>::new(seqlens).paged(block_table);
             let res = flash_attn::kvcache::forward_readonly(
                 &spec,
                 &view::<$t>(qs, ql)?,

@@ -242,13 +242,13 @@ fn strided_and_offset_inputs_give_the_contiguous_result() {
     assert_eq!(diff.expect("diff"), 0.0);
 }
 
-#[test]
-fn paged_kv_cache_matches_the_dense_call() {
-    let dev = Device::Cpu;
+/// The paged call against the dense varlen call on the same keys gathered (both ours; the
+/// dense one is checked against the oracle above): per-sequence calls (`lens_q` unequal) and the
+/// one batched call of decoding (equal).
+fn check_paged(dev: &Device, dtype: DType, lens_q: &[usize], tol: f32) {
     let mut rng = Rng::new(77);
     let (hq, hk, d, page) = (4, 2, 32, 7);
     let lens_k = [20usize, 3, 41];
-    let lens_q = [1usize, 3, 2];
     let pages_per = lens_k.iter().map(|l| l.div_ceil(page)).max().unwrap_or(1);
     let num_pages = lens_k.len() * pages_per + 2;
     let kc: Vec<f32> = random(&mut rng, &[num_pages, page, hk, d]);
@@ -261,22 +261,22 @@ fn paged_kv_cache_matches_the_dense_call() {
     let table: Vec<u32> = order[..lens_k.len() * pages_per].to_vec();
     let total_q: usize = lens_q.iter().sum();
     let q: Vec<f32> = random(&mut rng, &[total_q, hq, d]);
-    let t = |x: Vec<f32>, s: &[usize]| Tensor::from_vec(x, s, &dev).expect("tensor");
+    let t = |x: Vec<f32>, s: &[usize]| Tensor::from_vec(x, s, dev).and_then(|t| t.to_dtype(dtype)).expect("tensor");
     let cu = |lens: &[usize]| {
         let mut c = vec![0u32];
         for l in lens {
             c.push(c[c.len() - 1] + *l as u32);
         }
-        Tensor::from_vec(c, lens.len() + 1, &dev).expect("tensor")
+        Tensor::from_vec(c, lens.len() + 1, dev).expect("tensor")
     };
     let (kt, vt) = (t(kc.clone(), &[num_pages, page, hk, d]), t(vc.clone(), &[num_pages, page, hk, d]));
     let qt = t(q.clone(), &[total_q, hq, d]);
-    let table_t = Tensor::from_vec(table.clone(), (lens_k.len(), pages_per), &dev).expect("tensor");
+    let table_t = Tensor::from_vec(table.clone(), (lens_k.len(), pages_per), dev).expect("tensor");
     let out = flash_attn_candle::flash_attn_varlen_paged_windowed(
         &qt,
         &kt,
         &vt,
-        &cu(&lens_q),
+        &cu(lens_q),
         &cu(&lens_k),
         &table_t,
         None,
@@ -289,6 +289,7 @@ fn paged_kv_cache_matches_the_dense_call() {
         None,
     )
     .expect("paged call");
+    assert!(out.device().same_device(dev));
     // The same keys gathered into a dense varlen batch, attended causally.
     let gather = |cache: &[f32]| {
         let mut dense = Vec::new();
@@ -303,10 +304,30 @@ fn paged_kv_cache_matches_the_dense_call() {
     };
     let tk: usize = lens_k.iter().sum();
     let (dk, dv) = (t(gather(&kc), &[tk, hk, d]), t(gather(&vc), &[tk, hk, d]));
-    let want = flash_attn_candle::flash_attn_varlen(&qt, &dk, &dv, &cu(&lens_q), &cu(&lens_k), 3, 41, 0.25, true)
+    let want = flash_attn_candle::flash_attn_varlen(&qt, &dk, &dv, &cu(lens_q), &cu(&lens_k), 3, 41, 0.25, true)
         .expect("dense call");
-    let diff = (out - want).and_then(|x| x.abs()).and_then(|x| x.max_all()).and_then(|x| x.to_scalar::<f32>());
-    assert!(diff.expect("diff") < 1e-5);
+    let diff = (out.to_dtype(DType::F32).expect("f32") - want.to_dtype(DType::F32).expect("f32"))
+        .and_then(|x| x.abs())
+        .and_then(|x| x.max_all())
+        .and_then(|x| x.to_scalar::<f32>());
+    let diff = diff.expect("diff");
+    assert!(diff < tol, "{lens_q:?}: max difference {diff}");
+}
+
+#[test]
+fn paged_kv_cache_matches_the_dense_call() {
+    check_paged(&Device::Cpu, DType::F32, &[1, 3, 2], 1e-5);
+    check_paged(&Device::Cpu, DType::F32, &[1, 1, 1], 1e-5);
+    check_paged(&Device::Cpu, DType::BF16, &[2, 2, 2], 2e-2);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_paged_kv_cache_matches_the_dense_call() {
+    let dev = Device::new_cuda(0).expect("a CUDA device");
+    check_paged(&dev, DType::BF16, &[1, 3, 2], 2e-2);
+    check_paged(&dev, DType::BF16, &[1, 1, 1], 2e-2);
+    check_paged(&dev, DType::F16, &[2, 2, 2], 4e-3);
 }
 
 #[test]

@@ -837,6 +837,58 @@ impl Device {
         }
         Plan::new::<T, ()>(self, &p, cache.num_splits, a)?.launch(self, true)
     }
+
+    /// [`Device::kvcache_forward`] over caches the call only reads (for frameworks whose tensors
+    /// are immutable, like candle): `cache` must not append (an [`Error::KvCache`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kvcache_forward_readonly<T: CudaElement>(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, T>,
+        k_cache: &DeviceTensor<'_, T>,
+        v_cache: &DeviceTensor<'_, T>,
+        cache: &DeviceKvCache<'_, '_, T>,
+        out: &mut DeviceTensorMut<'_, T>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        if cache.new_kv.is_some() {
+            return Err(Error::KvCache("a read-only KV-cache call cannot append new tokens".into()));
+        }
+        let (uq, uk, uv, uo) = (units(q), units(k_cache), units(v_cache), units_mut(out));
+        let mut meta = KvCache::<()>::new(cache.seqlens).num_splits(cache.num_splits);
+        if let Some(x) = cache.batch_idx {
+            meta = meta.batch_idx(x);
+        }
+        if let Some(t) = &cache.block_table {
+            meta = meta.paged(t.clone());
+        }
+        if let Some(x) = cache.leftpad {
+            meta = meta.leftpad(x);
+        }
+        if let Some((c, s, inter)) = cache.rotary {
+            meta = meta.rotary(units(c), units(s), inter);
+        }
+        let p = KvProblem::new(spec, &uq, &uk, &uv, &meta, &uo, lse.len())?;
+        check_kernel_limits(&p, [&q.strides, &k_cache.strides, &v_cache.strides])?;
+        if !out.strides.iter().all(|x| x % 8 == 0 || *x == 1) {
+            return Err(Error::Unsupported(
+                "the CUDA KV-cache kernels need `out` strides that are multiples of 8".into(),
+            ));
+        }
+        let stream = self.stream();
+        let mut a = Addrs {
+            q: q.data.device_ptr(stream).0,
+            k: k_cache.data.device_ptr(stream).0,
+            v: v_cache.data.device_ptr(stream).0,
+            o: out.data.device_ptr_mut(stream).0,
+            lse: lse.device_ptr_mut(stream).0,
+            ..Addrs::default()
+        };
+        if let Some((c, s, _)) = cache.rotary {
+            (a.cos, a.sin) = (c.data.device_ptr(stream).0, s.data.device_ptr(stream).0);
+        }
+        Plan::new::<T, ()>(self, &p, cache.num_splits, a)?.launch(self, false)
+    }
 }
 
 /// Attention with a KV cache on GPU 0 for host buffers: validates (as the CPU), uploads, appends
