@@ -62,6 +62,7 @@ pub mod kvcache;
 pub mod mask;
 pub mod philox;
 pub mod reference;
+pub mod ring;
 pub mod spec;
 pub mod tensor;
 
