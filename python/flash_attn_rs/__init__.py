@@ -31,6 +31,15 @@ from .interface import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
+from .ring import (
+    ring_flash_attn_func,
+    ring_flash_attn_varlen_func,
+    ring_gather,
+    ring_split,
+    ring_split_varlen,
+    zigzag_ring_flash_attn_func,
+    zigzag_split,
+)
 
 __version__ = _native.__version__
 
@@ -42,6 +51,13 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
+    "ring_flash_attn_func",
+    "zigzag_ring_flash_attn_func",
+    "ring_flash_attn_varlen_func",
+    "ring_split",
+    "zigzag_split",
+    "ring_split_varlen",
+    "ring_gather",
     "fwd",
     "bwd",
     "attn_probs",
