@@ -35,6 +35,7 @@ pub mod decode;
 mod kernels;
 mod launch;
 pub mod nvrtc;
+pub mod ring;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -121,6 +122,7 @@ pub struct Device {
     functions: Arc<Mutex<HashMap<Variant, CudaFunction>>>,
     bwd_functions: Arc<Mutex<HashMap<BwdVariant, launch::BwdFunctions>>>,
     decode_functions: Arc<Mutex<HashMap<decode::DecodeVariant, decode::DecodeFunctions>>>,
+    ring_functions: Arc<Mutex<HashMap<DType, ring::RingFunctions>>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -154,6 +156,7 @@ impl Device {
             functions: Arc::default(),
             bwd_functions: Arc::default(),
             decode_functions: Arc::default(),
+            ring_functions: Arc::default(),
         })
     }
 
@@ -179,6 +182,7 @@ impl Device {
             functions: self.functions.clone(),
             bwd_functions: self.bwd_functions.clone(),
             decode_functions: self.decode_functions.clone(),
+            ring_functions: self.ring_functions.clone(),
         })
     }
 
@@ -738,6 +742,11 @@ pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
         .chain(
             decode::DecodeVariant::all().into_iter().map(|v| (v.name(), decode_source.as_str(), v.options(), 0, false)),
         )
+        .chain([DType::F16, DType::BF16].into_iter().map(|dt| {
+            let mut options = ring::ring_options(dt);
+            options.extend(["-Xptxas".to_string(), "-v".to_string()]);
+            (format!("ring_{}", dt.name()), ring::ring_source(), options, 0, false)
+        }))
         .collect();
     let mut reports = Vec::new();
     for arch in archs {

@@ -28,7 +28,7 @@
 //! sequence's length must divide by `R` (contiguous) or `2R` (zigzag). Windows, ALiBi, block masks
 //! and dropout read global positions that a chunk does not carry: [`Error::Unsupported`].
 
-mod sim;
+pub(crate) mod sim;
 
 pub use sim::{simulate_backward, simulate_forward};
 

@@ -38,16 +38,16 @@ fn ring_links<M>(ranks: usize) -> Vec<Link<M>> {
 }
 
 /// The global problem split over the ranks: which `(sequence, position)` each local token is.
-struct Split<'a> {
-    g: Geometry<'a>,
+pub(crate) struct Split<'a> {
+    pub(crate) g: Geometry<'a>,
     /// Per rank, its local tokens in order: `(index into g.seqs, position in the sequence)`.
-    tokens: Vec<Vec<(usize, usize)>>,
+    pub(crate) tokens: Vec<Vec<(usize, usize)>>,
     /// Per rank, the validated local problem.
-    problems: Vec<RingProblem>,
+    pub(crate) problems: Vec<RingProblem>,
 }
 
 impl<'a> Split<'a> {
-    fn new<T: Element>(
+    pub(crate) fn new<T: Element>(
         spec: &AttentionSpec<'a>,
         layout: super::Layout,
         ranks: usize,
@@ -85,7 +85,15 @@ impl<'a> Split<'a> {
     }
 
     /// Rank `r`'s packed rows `[t, heads, dim]` of a global tensor with row layout `layout`.
-    fn shard<T: Copy>(&self, r: usize, data: &[T], layout: &RowLayout, heads: usize, dim: usize, keys: bool) -> Vec<T> {
+    pub(crate) fn shard<T: Copy>(
+        &self,
+        r: usize,
+        data: &[T],
+        layout: &RowLayout,
+        heads: usize,
+        dim: usize,
+        keys: bool,
+    ) -> Vec<T> {
         let mut out = Vec::with_capacity(self.tokens[r].len() * heads * dim);
         for &(si, i) in &self.tokens[r] {
             let s = &self.g.seqs[si];
@@ -99,7 +107,7 @@ impl<'a> Split<'a> {
     }
 
     /// Rank `r`'s rows of a global `lse`, packed `[hq, t]`.
-    fn shard_lse(&self, r: usize, lse: &[f32]) -> Vec<f32> {
+    pub(crate) fn shard_lse(&self, r: usize, lse: &[f32]) -> Vec<f32> {
         let t = self.tokens[r].len();
         let mut out = vec![0.0; self.g.hq * t];
         for h in 0..self.g.hq {
@@ -111,12 +119,30 @@ impl<'a> Split<'a> {
     }
 
     /// Writes rank `r`'s packed rows `[t, heads, dim]` into a contiguous global tensor.
-    fn unshard<T: Copy>(&self, r: usize, local: &[T], global: &mut [T], heads: usize, dim: usize, keys: bool) {
+    pub(crate) fn unshard<T: Copy>(
+        &self,
+        r: usize,
+        local: &[T],
+        global: &mut [T],
+        heads: usize,
+        dim: usize,
+        keys: bool,
+    ) {
         let row = heads * dim;
         for (lt, &(si, i)) in self.tokens[r].iter().enumerate() {
             let s: &Sequence = &self.g.seqs[si];
             let tok = if keys { self.g.k_token(s, i) } else { self.g.q_token(s, i) };
             global[tok * row..(tok + 1) * row].copy_from_slice(&local[lt * row..(lt + 1) * row]);
+        }
+    }
+
+    /// Writes rank `r`'s packed `lse` (`[hq, t]`) into the global one.
+    pub(crate) fn unshard_lse(&self, r: usize, local: &[f32], global: &mut [f32]) {
+        let t = self.tokens[r].len();
+        for h in 0..self.g.hq {
+            for (lt, &(si, i)) in self.tokens[r].iter().enumerate() {
+                global[self.g.lse_index(&self.g.seqs[si], h, i)] = local[h * t + lt];
+            }
         }
     }
 }
@@ -396,12 +422,7 @@ pub fn simulate_forward<T: Element>(
     for (r, (acc, acc_lse)) in locals.iter().enumerate() {
         let narrowed: Vec<T> = acc.iter().map(|&x| T::from_f32(x)).collect();
         split.unshard(r, &narrowed, &mut out, g.hq, g.dv, false);
-        let t = split.tokens[r].len();
-        for h in 0..g.hq {
-            for (lt, &(si, i)) in split.tokens[r].iter().enumerate() {
-                lse[g.lse_index(&g.seqs[si], h, i)] = acc_lse[h * t + lt];
-            }
-        }
+        split.unshard_lse(r, acc_lse, &mut lse);
     }
     Ok(Output { out, out_shape, lse, lse_shape: g.lse_shape() })
 }
