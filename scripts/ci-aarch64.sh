@@ -62,4 +62,4 @@ for s in $skip; do skip_args+=(--skip "$s"); done
 echo "=== aarch64 ($target) under qemu-user: flash-attn --lib + invariance, conformance, backward, kvcache;" \
     "PROPTEST_CASES=${PROPTEST_CASES:-<per-test default>}; skip: ${skip:-<none>} ==="
 cargo test -p flash-attn --release --target "$target" \
-    --lib --test invariance --test conformance --test backward --test kvcache -- "${skip_args[@]}"
+    --lib --test invariance --test conformance --test backward --test kvcache --test ring -- "${skip_args[@]}"
