@@ -126,7 +126,7 @@ __device__ __forceinline__ float fd_score(const DecodeParams& p, float dot, int 
     if (r >= rows || j >= hi || j < vlo || j >= vhi) return -FA_INF;
     if (plain) return dot * p.scale_log2;
     float x = dot * p.scale;
-    if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+    if (p.softcap > 0.f) x = p.softcap * fast_tanh(__fdividef(x, p.softcap));
     x -= slope * fabsf((float)(tok + off - j));
     return x * FA_LOG2E;
 }

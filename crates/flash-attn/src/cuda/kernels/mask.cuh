@@ -92,7 +92,7 @@ struct ScoreMod {
     __device__ __forceinline__ float apply(float x, float slope_bh, int dist, float& th) const {
         th = 0.f;
         if (softcap > 0.f) {
-            th = tanhf(x / softcap);
+            th = fast_tanh(x / softcap);
             x = softcap * th;
         }
         if (alibi) x -= slope_bh * fabsf((float)dist);
