@@ -855,6 +855,31 @@ mod nccl {
         }
     }
 
+    impl NcclRing {
+        /// Enqueues on the transfer stream, after the compute stream's work so far (sends read
+        /// what it produced or received; the receive buffer was last read by step − 1's compute):
+        /// the chunk held at `step` (the caller's `k`, `v` at step 0, else `bufs[step % 2]`) to
+        /// the next rank, and the next one from the previous rank into `bufs[(step + 1) % 2]`.
+        fn pass_chunk<T: CudaElement + NcclType>(
+            &self,
+            dev: &Device,
+            step: usize,
+            (k, v): (&CudaView<'_, T>, &CudaView<'_, T>),
+            bufs: &mut [Chunk<T>; 2],
+            (kn, vn): (usize, usize),
+        ) -> Result<()> {
+            self.comm_stream.join(dev.stream()).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+            let (held_now, (nk, nv)) = split_pair(bufs, step % 2);
+            let (mut nk, mut nv) = (nk.slice_mut(..kn), nv.slice_mut(..vn));
+            if step == 0 {
+                self.exchange(&[k, v], &mut [&mut nk, &mut nv])
+            } else {
+                let (ck, cv) = (held_now.0.slice(..kn), held_now.1.slice(..vn));
+                self.exchange(&[&ck, &cv], &mut [&mut nk, &mut nv])
+            }
+        }
+    }
+
     fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
         if got != want {
             return Err(Error::BufferLength { tensor: what, expected: want, got });
@@ -911,17 +936,7 @@ mod nccl {
                 // The chunk held now: the caller's at step 0, else the buffer received into.
                 let cur = step % 2;
                 if !last && t > 0 {
-                    // Sends read what the compute stream produced or received before; the
-                    // receive buffer was last read by step - 1's compute.
-                    cs.join(self.stream()).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
-                    let (held_now, (nk, nv)) = split_pair(bufs, cur);
-                    let (mut nk, mut nv) = (nk.slice_mut(..kn), nv.slice_mut(..vn));
-                    if step == 0 {
-                        ring.exchange(&[k, v], &mut [&mut nk, &mut nv])?;
-                    } else {
-                        let (ck, cv) = (held_now.0.slice(..kn), held_now.1.slice(..vn));
-                        ring.exchange(&[&ck, &cv], &mut [&mut nk, &mut nv])?;
-                    }
+                    ring.pass_chunk(self, step, (k, v), bufs, (kn, vn))?;
                 }
                 if t > 0 {
                     if step == 0 {
@@ -1010,16 +1025,7 @@ mod nccl {
                 let cur = step % 2;
                 let mut kv_arrived = None;
                 if !last {
-                    // The receive buffer was last read by step - 1's compute.
-                    cs.join(self.stream()).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
-                    let (held_now, (nk, nv)) = split_pair(bufs, cur);
-                    let (mut nk, mut nv) = (nk.slice_mut(..kn), nv.slice_mut(..vn));
-                    if step == 0 {
-                        ring.exchange(&[k, v], &mut [&mut nk, &mut nv])?;
-                    } else {
-                        let (ck, cv) = (held_now.0.slice(..kn), held_now.1.slice(..vn));
-                        ring.exchange(&[&ck, &cv], &mut [&mut nk, &mut nv])?;
-                    }
+                    ring.pass_chunk(self, step, (k, v), bufs, (kn, vn))?;
                     kv_arrived = Some(event("cuEventRecord")?);
                 }
                 let work = if step == 0 {
