@@ -58,6 +58,8 @@ def schedule(zigzag: bool, causal: bool, ranks: int, rank: int, step: int) -> st
 
 def ring_split(x: Tensor, dim: int, world_size: int, rank: int) -> Tensor:
     """Rank ``rank``'s contiguous chunk of ``x`` along ``dim`` (the sequence dim)."""
+    if x.shape[dim] % world_size:
+        raise ValueError(f"a length of {x.shape[dim]} does not split into {world_size} equal chunks")
     return x.chunk(world_size, dim=dim)[rank].contiguous()
 
 
@@ -153,7 +155,8 @@ class _Ring:
         """Starts sending ``tensors`` to the next rank and receiving as many from the previous,
         tagged ``tag, tag + 1, ...`` (the message kinds of a step stay apart on transports that
         match by tag, like gloo; NCCL matches by order)."""
-        received = [torch.empty_like(t) for t in tensors]
+        # Contiguous both ways: a permuted but dense tensor would keep its strides in empty_like.
+        received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         if self.world == 1:
             for r, t in zip(received, tensors):
                 r.copy_(t)

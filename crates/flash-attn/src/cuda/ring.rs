@@ -104,7 +104,8 @@ fn launch<P: DeviceRepr>(dev: &Device, f: &CudaFunction, threads: usize, params:
     if threads == 0 {
         return Ok(());
     }
-    let blocks = threads.div_ceil(256).min(65_535 * 16) as u32;
+    // Every ring kernel grid-strides, so any grid covers the work.
+    let blocks = threads.div_ceil(256).min(1 << 24) as u32;
     let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let mut builder = dev.stream().launch_builder(f);
     builder.arg(params);
@@ -845,6 +846,21 @@ mod nccl {
         }
     }
 
+    /// Makes the compute stream wait for the transfer stream when dropped: declared after a
+    /// call's buffers, it runs before they are freed (on the compute stream) on every return,
+    /// an early error included, so no buffer is freed while NCCL may still write it.
+    struct JoinOnDrop<'s> {
+        compute: &'s Arc<CudaStream>,
+        comm: &'s Arc<CudaStream>,
+    }
+
+    impl Drop for JoinOnDrop<'_> {
+        fn drop(&mut self) {
+            // An error here has nowhere to go; the stream is then broken for every later call.
+            let _ = self.compute.join(self.comm);
+        }
+    }
+
     /// `(&pair[i], &mut pair[1 - i])`.
     fn split_pair<X>(pair: &mut [X; 2], i: usize) -> (&X, &mut X) {
         let [a, b] = pair;
@@ -929,6 +945,7 @@ mod nccl {
                 },
             };
             let FwdCache { st, bufs, .. } = &mut cache;
+            let _in_flight = JoinOnDrop { compute: self.stream(), comm: &ring.comm_stream };
             let (kn, vn) = (t * p.hk * p.d, t * p.hk * p.dv);
             let cs = &ring.comm_stream;
             for step in 0..p.ranks {
@@ -1015,6 +1032,7 @@ mod nccl {
                 },
             };
             let BwdCache { st, bufs, acc, .. } = &mut cache;
+            let _in_flight = JoinOnDrop { compute: self.stream(), comm: &ring.comm_stream };
             let ins = BwdInputs { q: q.slice(..), out: out.slice(..), lse: lse.slice(..), dout: dout.slice(..) };
             let cs = &ring.comm_stream;
             let event = |what: &str| cs.record_event(None).map_err(|e| driver_error(what, e));

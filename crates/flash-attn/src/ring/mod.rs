@@ -66,7 +66,10 @@ pub enum Step {
 /// The rank whose key/value chunk rank `rank` holds at step `step`: chunks move from rank `r` to
 /// rank `r + 1` (mod `R`) between steps, so at step `t` rank `r` holds rank `r - t`'s.
 pub fn kv_source(ranks: usize, rank: usize, step: usize) -> usize {
-    (rank + ranks - step % ranks) % ranks
+    if ranks == 0 {
+        return 0;
+    }
+    (rank % ranks + ranks - step % ranks) % ranks
 }
 
 /// What rank `rank` of `ranks` computes at step `step` (`0 <= step < ranks`).
@@ -143,11 +146,14 @@ impl Sharding {
 
     /// `cu_seqlens` of a rank's packed tokens from the global one: every length divided by `R`.
     pub fn local_cu_seqlens(&self, cu_global: &[i32]) -> Result<Vec<i32>> {
+        let err = |reason: &str| Error::CuSeqlens { which: "cu_seqlens", reason: reason.into() };
+        if cu_global.first().is_some_and(|&c| c != 0) {
+            return Err(err("must start at 0"));
+        }
         let mut out = Vec::with_capacity(cu_global.len());
         out.push(0);
         for w in cu_global.windows(2) {
-            let len = usize::try_from(w[1] - w[0])
-                .map_err(|_| Error::CuSeqlens { which: "cu_seqlens", reason: "decreases".into() })?;
+            let len = w[1].checked_sub(w[0]).and_then(|l| usize::try_from(l).ok()).ok_or_else(|| err("decreases"))?;
             let local = self.local_len(len)?;
             let last = *out.last().unwrap_or(&0);
             out.push(last + local as i32);
@@ -161,28 +167,28 @@ impl Sharding {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RingProblem {
     /// The layout.
-    pub layout: Layout,
+    pub(crate) layout: Layout,
     /// Ranks in the ring.
-    pub ranks: usize,
+    pub(crate) ranks: usize,
     /// Whether the causal mask is on.
-    pub causal: bool,
+    pub(crate) causal: bool,
     /// Softmax scale (explicit, so every step uses the global one).
-    pub scale: f32,
+    pub(crate) scale: f32,
     /// Softcap, if any.
-    pub softcap: Option<f32>,
+    pub(crate) softcap: Option<f32>,
     /// Query heads.
-    pub hq: usize,
+    pub(crate) hq: usize,
     /// Key/value heads.
-    pub hk: usize,
+    pub(crate) hk: usize,
     /// Head dim of `q` and `k`.
-    pub d: usize,
+    pub(crate) d: usize,
     /// Head dim of `v` and `out`.
-    pub dv: usize,
+    pub(crate) dv: usize,
     /// Local `cu_seqlens` (same for queries and keys): every sequence's local token count, which
     /// is even for zigzag.
-    pub cu: Vec<i32>,
+    pub(crate) cu: Vec<i32>,
     /// Whether the step kernels should be deterministic ([`AttentionSpec::deterministic`]).
-    pub deterministic: bool,
+    pub(crate) deterministic: bool,
 }
 
 impl RingProblem {
@@ -240,6 +246,36 @@ impl RingProblem {
             cu: cu_local,
             deterministic: spec.deterministic,
         })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Ranks in the ring.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Whether the causal mask is on.
+    pub fn causal(&self) -> bool {
+        self.causal
+    }
+
+    /// `(hq, hk)`.
+    pub fn heads(&self) -> (usize, usize) {
+        (self.hq, self.hk)
+    }
+
+    /// `(d, dv)`.
+    pub fn head_dims(&self) -> (usize, usize) {
+        (self.d, self.dv)
+    }
+
+    /// The local `cu_seqlens`.
+    pub fn cu_seqlens(&self) -> &[i32] {
+        &self.cu
     }
 
     /// Local tokens of this rank.

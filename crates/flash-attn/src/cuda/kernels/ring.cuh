@@ -47,31 +47,33 @@ struct MergeParams {
     long long t, tp, h, dv;
 };
 
-// One warp per (part row, head): the same formula as `ring::merge_row` on the CPU.
+// One warp per (part row, head), grid-striding over them: the same formula as
+// `ring::merge_row` on the CPU.
 extern "C" __global__ void ring_merge(const MergeParams p) {
-    long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (warp >= p.tp * p.h) return;
-    long long pt = warp / p.h, hh = warp % p.h;
-    long long lt = p.map ? (long long)p.map[pt] : pt;
-    float b = p.part_lse[hh * p.tp + pt];
-    float a = p.acc_lse[hh * p.t + lt];
-    if (b == RING_NEG_INF) return;
-    float* acc = p.acc + (lt * p.h + hh) * p.dv;
-    const u16* part = p.part + (pt * p.h + hh) * p.dv;
-    if (a == RING_NEG_INF) {
-        for (long long e = lane; e < p.dv; e += 32) acc[e] = ring_to_f32(part[e]);
-    } else {
-        float m = fmaxf(a, b);
-        float wa = expf(a - m), wb = expf(b - m);
-        float sum = wa + wb;
-        wa = wa / sum;
-        wb = wb / sum;
-        for (long long e = lane; e < p.dv; e += 32) acc[e] = acc[e] * wa + ring_to_f32(part[e]) * wb;
-        b = m + logf(sum);
+    const int lane = threadIdx.x & 31;
+    const long long warps = p.tp * p.h, stride = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; warp < warps; warp += stride) {
+        long long pt = warp / p.h, hh = warp % p.h;
+        long long lt = p.map ? (long long)p.map[pt] : pt;
+        float b = p.part_lse[hh * p.tp + pt];
+        float a = p.acc_lse[hh * p.t + lt];
+        if (b == RING_NEG_INF) continue;
+        float* acc = p.acc + (lt * p.h + hh) * p.dv;
+        const u16* part = p.part + (pt * p.h + hh) * p.dv;
+        if (a == RING_NEG_INF) {
+            for (long long e = lane; e < p.dv; e += 32) acc[e] = ring_to_f32(part[e]);
+        } else {
+            float m = fmaxf(a, b);
+            float wa = expf(a - m), wb = expf(b - m);
+            float sum = wa + wb;
+            wa = wa / sum;
+            wb = wb / sum;
+            for (long long e = lane; e < p.dv; e += 32) acc[e] = acc[e] * wa + ring_to_f32(part[e]) * wb;
+            b = m + logf(sum);
+        }
+        __syncwarp();
+        if (lane == 0) p.acc_lse[hh * p.t + lt] = b;
     }
-    __syncwarp();
-    if (lane == 0) p.acc_lse[hh * p.t + lt] = b;
 }
 
 // Field for field `RowsParams` in src/cuda/ring.rs.
