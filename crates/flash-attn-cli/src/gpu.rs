@@ -114,7 +114,7 @@ mod imp {
         Err(not_built())
     }
 
-    pub fn compile_all(_archs: &[String]) -> Result<Vec<Compiled>> {
+    pub fn compile_all(_archs: &[String], _pattern: &str) -> Result<Vec<Compiled>> {
         Err(not_built())
     }
 
@@ -305,10 +305,11 @@ mod imp {
         Ok(compare_gradients(&spec, &grads, &data, &dout, case.dtype)?)
     }
 
-    /// Compiles every kernel variant for each of `archs` with NVRTC (no GPU needed).
-    pub fn compile_all(archs: &[String]) -> Result<Vec<Compiled>> {
+    /// Compiles the kernel variants whose name contains `pattern` (every one for `""`) for each
+    /// of `archs` with NVRTC (no GPU needed).
+    pub fn compile_all(archs: &[String], pattern: &str) -> Result<Vec<Compiled>> {
         let archs: Vec<Arch> = archs.iter().map(|a| Arch(a.clone())).collect();
-        Ok(cuda::compile_all(&archs)?
+        Ok(cuda::compile_matching(&archs, pattern)?
             .into_iter()
             .map(|r| Compiled {
                 error: r.result.as_ref().err().map(ToString::to_string),

@@ -21,6 +21,10 @@ pub struct KernelsArgs {
     /// Target architectures, as NVRTC names them (`sm_80`, `sm_86`, `sm_89`, `sm_90a`, ...).
     #[arg(long, value_name = "sm_XY,...", value_delimiter = ',', default_value = "sm_80,sm_90a")]
     arch: Vec<String>,
+
+    /// Only the variants whose name contains this text (e.g. `_h_x`, `flash_bwd_bf16_d128`).
+    #[arg(long, value_name = "TEXT", default_value = "")]
+    only: String,
 }
 
 /// Checks the form `sm_<digits>[a|f]`, so that a typo is a usage error rather than an NVRTC log.
@@ -47,7 +51,10 @@ pub fn main(args: &KernelsArgs) -> Result<ExitCode> {
         check_arch(a.trim())?;
     }
     let archs: Vec<String> = args.arch.iter().map(|a| a.trim().to_owned()).collect();
-    let reports = gpu::compile_all(&archs)?;
+    let reports = gpu::compile_all(&archs, &args.only)?;
+    if reports.is_empty() {
+        return Err(CliError::new(format!("no kernel variant's name contains `{}`", args.only)));
+    }
     let (mut failed, mut spilled, mut budgeted) = (0usize, 0usize, 0usize);
     let number = |x: Option<u32>| x.map_or_else(|| "?".to_owned(), |x| x.to_string());
     for r in &reports {

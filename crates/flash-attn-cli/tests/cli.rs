@@ -943,6 +943,7 @@ fn cuda_check_and_kernels_are_rejected_in_a_cpu_build() {
         &["check", "--device", "cuda", "--cases", "1"][..],
         &["kernels", "--compile-all"],
         &["kernels", "--compile-all", "--arch", "sm_80,sm_90a"],
+        &["kernels", "--compile-all", "--only", "_xd"],
         &["kernels"],
     ] {
         let line = assert_one_line_error(args);
@@ -1018,6 +1019,28 @@ fn kernels_compile_all_reports_every_variant_or_a_missing_nvrtc() {
     let variants = stdout.lines().filter(|l| l.starts_with("flash_fwd_") && l.contains(" sm_80 ")).count();
     assert!(variants > 0 && stdout.contains(" variants: "), "{stdout}");
     assert!(matches!(res.status.code(), Some(0 | 1)), "{stdout}");
+}
+
+/// `--only TEXT` compiles the variants whose name contains TEXT: one here; a text that names none
+/// is one line and exit 2 (as is a missing NVRTC, checked first).
+#[cfg(feature = "cuda")]
+#[test]
+fn kernels_only_compiles_the_variants_it_names() {
+    let name = "flash_fwd_bf16_d64_m2_n32_w4_xs";
+    let args = ["kernels", "--compile-all", "--arch", "sm_80", "--only", name];
+    let res = flash_attn(&args);
+    if res.status.code() == Some(2) {
+        let line = assert_error_output(&args, &res);
+        assert!(line.contains("NVRTC"), "{line}");
+    } else {
+        let stdout = String::from_utf8_lossy(&res.stdout);
+        let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("flash_")).collect();
+        assert_eq!(lines.len(), 1, "{stdout}");
+        assert!(lines[0].starts_with(name) && stdout.contains("1 variants: "), "{stdout}");
+    }
+    let args = ["kernels", "--compile-all", "--arch", "sm_80", "--only", "no_such_variant"];
+    let line = assert_one_line_error(&args);
+    assert!(line.contains("NVRTC") || line.contains("no_such_variant"), "{line}");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@
 //! of CUDA-event-timed runs after a warm-up, on inputs drawn from a normal distribution.
 
 use flash_attn::check::{compare_gradients, report, BackwardReport, BlockCase, Case, CaseData, Rng, Storage};
-use flash_attn::cuda::{self, Arch, BwdVariant, DeviceTensor, DeviceTensorMut, Variant};
+use flash_attn::cuda::{self, Arch, BwdVariant, DeviceTensor, DeviceTensorMut, ExtraPaths, Variant};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Result};
 use half::{bf16, f16};
 
@@ -159,6 +159,16 @@ fn bwd_case<T: cuda::CudaElement>(
     compare_gradients(&spec, &grads, &data, &dout, case.dtype)
 }
 
+/// Drops from a case the optional paths that a variant holding `extras` lacks.
+fn without_missing_paths(c: &mut Case, extras: ExtraPaths) {
+    if !extras.mods {
+        (c.softcap, c.alibi) = (None, None);
+    }
+    if !extras.blocks {
+        c.block = None;
+    }
+}
+
 fn sanitize() -> Result<()> {
     let mut rng = Rng::new(7);
     for (i, (d, causal, varlen)) in [
@@ -210,9 +220,7 @@ fn sanitize() -> Result<()> {
         let mut c = random_case(&mut rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
-        if !variant.extras {
-            (c.softcap, c.alibi, c.block) = (None, None, None);
-        }
+        without_missing_paths(&mut c, variant.extras);
         let rep = match variant.dtype {
             DType::F16 => run_case::<f16>(&c, Some(variant))?,
             _ => run_case::<bf16>(&c, Some(variant))?,
@@ -225,12 +233,11 @@ fn sanitize() -> Result<()> {
         let mut c = random_case(&mut rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
-        if !variant.extras {
-            (c.softcap, c.alibi, c.block) = (None, None, None);
-        }
+        without_missing_paths(&mut c, variant.extras);
+        let dropout = variant.extras.dropout.then_some((0.2f32, 11u64, i as u32));
         let passed = match variant.dtype {
-            DType::F16 => bwd_case::<f16>(&c, None, Some(variant), i % 2 == 1)?,
-            _ => bwd_case::<bf16>(&c, None, Some(variant), i % 2 == 1)?,
+            DType::F16 => bwd_case::<f16>(&c, dropout, Some(variant), i % 2 == 1)?,
+            _ => bwd_case::<bf16>(&c, dropout, Some(variant), i % 2 == 1)?,
         }
         .passed();
         println!("sanitize backward variant {i} {}: {c}: {}", variant.name(), if passed { "pass" } else { "FAIL" });
@@ -330,8 +337,9 @@ struct Extras {
 }
 
 impl Extras {
-    fn any(self) -> bool {
-        self.dropout.is_some() || self.softcap.is_some()
+    /// The optional kernel paths these options use.
+    fn paths(self) -> ExtraPaths {
+        ExtraPaths { dropout: self.dropout.is_some_and(|p| p > 0.0), mods: self.softcap.is_some(), blocks: false }
     }
 
     fn apply<'a>(self, mut spec: AttentionSpec<'a>) -> AttentionSpec<'a> {
@@ -402,8 +410,10 @@ fn bench_one<T: cuda::CudaElement>(
     times.sort_by(f64::total_cmp);
     let ms = times[times.len() / 2];
     let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
-    let default = if extras.any() { Variant::extras_on } else { Variant::default_on };
-    let name = variant.or_else(|| default(dev.arch(), T::DTYPE, d)).map(|v| v.name()).unwrap_or_default();
+    let name = variant
+        .or_else(|| Variant::extras_on(dev.arch(), T::DTYPE, d, extras.paths()))
+        .map(|v| v.name())
+        .unwrap_or_default();
     println!(
         "{{\"device\":\"cuda\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{hq},\"hk\":{hk},\"sq\":{s},\"sk\":{s},\"d\":{d},\"causal\":{causal},\"fwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{name}\"{}}}",
         T::DTYPE,
@@ -488,7 +498,7 @@ fn bench_bwd<T: cuda::CudaElement>(
     let ms = times[times.len() / 2];
     let flops = 2.5 * 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
     let name = variant
-        .or_else(|| BwdVariant::default_on(dev.arch(), T::DTYPE, d, extras.any()))
+        .or_else(|| BwdVariant::default_on(dev.arch(), T::DTYPE, d, extras.paths()))
         .map(|v| v.name())
         .unwrap_or_default();
     println!(

@@ -5,7 +5,7 @@
 #![cfg(feature = "cuda-backend")]
 
 use flash_attn::check::{compare_gradients, report, BlockCase, Case, Rng, Storage};
-use flash_attn::cuda::{self, Arch, BwdVariant, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
+use flash_attn::cuda::{self, Arch, BwdVariant, ExtraPaths, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Error, Tensor};
 use half::{bf16, f16};
 
@@ -60,6 +60,10 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
         assert!(names.insert(v.name()), "two variants named {}", v.name());
         assert_eq!(v.runs_on(&sm80), !v.wgmma, "{}", v.name());
         assert!(v.runs_on(&sm90a), "{}", v.name());
+        // Only variants with optional paths at d >= 128 may spill at all.
+        if !v.extras.any() || v.d < 128 {
+            assert_eq!(v.spill_budget(), 0, "{}", v.name());
+        }
     }
     for v in BwdVariant::all() {
         assert!(names.insert(v.name()), "two variants named {}", v.name());
@@ -72,24 +76,61 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
     for dtype in [DType::BF16, DType::F16] {
         for d in HEAD_DIMS {
             let h = Variant::default_on(&sm90a, dtype, d).expect("a forward variant");
-            assert!(h.wgmma && h.runs_on(&sm90a) && h.d == d && h.dtype == dtype && !h.extras);
-            let x = Variant::extras_on(&sm90a, dtype, d).expect("an extras variant");
-            assert!(x.wgmma && x.extras && x.d == d);
+            assert!(h.wgmma && h.runs_on(&sm90a) && h.d == d && h.dtype == dtype && !h.extras.any());
+            assert_eq!(Variant::extras_on(&sm90a, dtype, d, ExtraPaths::NONE), Some(h));
             let a = Variant::default_on(&sm80, dtype, d).expect("a forward variant");
             assert!(!a.wgmma && a.runs_on(&sm80));
-            assert!(!Variant::extras_on(&sm80, dtype, d).expect("an extras variant").wgmma);
+            // Each set of optional paths gets a variant holding exactly that set, and the gated
+            // sets are among the variants `all` lists.
+            for e in every_extra_set() {
+                let x = Variant::extras_on(&sm90a, dtype, d, e).expect("an extras variant");
+                assert!(x.wgmma && x.extras == e && x.d == d);
+                let y = Variant::extras_on(&sm80, dtype, d, e).expect("an extras variant");
+                assert!(!y.wgmma && y.extras == e && y.d == d);
+                if ExtraPaths::gated().contains(&e) {
+                    assert!(Variant::all().contains(&x) && Variant::all().contains(&y), "{}", x.name());
+                }
+            }
         }
         for d in BWD_HEAD_DIMS {
-            let h = BwdVariant::default_on(&sm90a, dtype, d, false).expect("a backward variant");
-            assert!(h.wgmma && h.d == d && !h.extras);
-            let x = BwdVariant::default_on(&sm90a, dtype, d, true).expect("a backward variant");
-            assert!(x.wgmma && x.extras && x.d == d);
-            assert!(!BwdVariant::default_on(&sm80, dtype, d, false).expect("a backward variant").wgmma);
-            let y = BwdVariant::default_on(&sm80, dtype, d, true).expect("a backward variant");
-            assert!(!y.wgmma && y.extras);
+            let h = BwdVariant::default_on(&sm90a, dtype, d, ExtraPaths::NONE).expect("a backward variant");
+            assert!(h.wgmma && h.d == d && !h.extras.any());
+            assert!(!BwdVariant::default_on(&sm80, dtype, d, ExtraPaths::NONE).expect("a backward variant").wgmma);
+            for e in every_extra_set() {
+                let x = BwdVariant::default_on(&sm90a, dtype, d, e).expect("a backward variant");
+                assert!(x.wgmma && x.extras == e && x.d == d);
+                let y = BwdVariant::default_on(&sm80, dtype, d, e).expect("a backward variant");
+                assert!(!y.wgmma && y.extras == e);
+                if ExtraPaths::gated().contains(&e) {
+                    assert!(BwdVariant::all().contains(&x) && BwdVariant::all().contains(&y), "{}", x.name());
+                }
+            }
         }
     }
     assert_eq!(Variant::default_on(&sm90a, DType::F32, 64), None);
+}
+
+/// The seven non-empty sets of optional paths.
+fn every_extra_set() -> impl Iterator<Item = ExtraPaths> {
+    (1u8..8).map(|m| ExtraPaths { dropout: m & 1 != 0, mods: m & 2 != 0, blocks: m & 4 != 0 })
+}
+
+#[test]
+fn extra_path_sets_name_their_variants() {
+    let mut suffixes = std::collections::HashSet::new();
+    for e in every_extra_set() {
+        let suffix = e.suffix();
+        assert!(suffix.starts_with("_x") && suffix.len() > 2, "{suffix}");
+        assert!(suffixes.insert(suffix.clone()), "two sets named {suffix}");
+        assert_eq!(u8::from(e.dropout) + 2 * u8::from(e.mods) + 4 * u8::from(e.blocks), e.bits());
+        assert!(ExtraPaths::ALL.covers(e) && e.covers(e) && e.covers(ExtraPaths::NONE));
+        assert!(!ExtraPaths::NONE.covers(e));
+    }
+    assert_eq!(ExtraPaths::NONE.suffix(), "");
+    assert_eq!(ExtraPaths::ALL.suffix(), "_xdsb");
+    let d = ExtraPaths { dropout: true, ..ExtraPaths::NONE };
+    let s = ExtraPaths { mods: true, ..ExtraPaths::NONE };
+    assert!(!d.covers(s) && !s.covers(d));
 }
 
 #[test]
@@ -164,14 +205,22 @@ fn every_forward_variant_on_the_device_meets_the_contract() {
             let lo = HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
-            if !variant.extras {
-                (c.softcap, c.alibi, c.block) = (None, None, None);
-            }
+            without_missing_paths(&mut c, variant.extras);
             match variant.dtype {
                 DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
                 _ => forward_variant_case::<bf16>(&c, Some(variant)),
             }
         }
+    }
+}
+
+/// Drops from a case the optional paths that a variant holding `extras` lacks.
+fn without_missing_paths(c: &mut Case, extras: ExtraPaths) {
+    if !extras.mods {
+        (c.softcap, c.alibi) = (None, None);
+    }
+    if !extras.blocks {
+        c.block = None;
     }
 }
 
@@ -253,12 +302,10 @@ fn every_backward_variant_on_the_device_meets_the_contract() {
             let lo = BWD_HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
-            if !variant.extras {
-                (c.softcap, c.alibi, c.block) = (None, None, None);
-            }
+            without_missing_paths(&mut c, variant.extras);
             let deterministic = n % 3 == 1;
-            // Dropout in some of an extras variant's cases (its other extras come with the case).
-            let dropout = (variant.extras && n % 2 == 0)
+            // Dropout in most cases of a variant that holds it (its other paths come with the case).
+            let dropout = (variant.extras.dropout && n % 3 != 2)
                 .then(|| (rng.pick(&[0.1f32, 0.4]), rng.next_u64(), rng.next_u64() as u32));
             match variant.dtype {
                 DType::F16 => backward_case::<f16>(&c, dropout, Some(variant), deterministic),

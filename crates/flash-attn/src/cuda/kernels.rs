@@ -30,6 +30,64 @@ pub(crate) fn backward_source() -> String {
     .join("\n")
 }
 
+/// The optional paths a kernel variant has compiled in (the kernels' `FA_EXTRAS` bits): a
+/// problem runs on a variant that holds every path it uses and, by default, on the one that holds
+/// nothing else, so that one feature's registers and instructions are not paid by problems that
+/// use another (docs/cuda-notes.md, "Dropout on 8-bit draws").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct ExtraPaths {
+    /// Dropout (`d` in a variant's name).
+    pub dropout: bool,
+    /// The score modifiers: softcap and ALiBi (`s`).
+    pub mods: bool,
+    /// Block-sparse masks (`b`).
+    pub blocks: bool,
+}
+
+impl ExtraPaths {
+    /// No optional path: the plain kernels.
+    pub const NONE: ExtraPaths = ExtraPaths { dropout: false, mods: false, blocks: false };
+    /// Every optional path.
+    pub const ALL: ExtraPaths = ExtraPaths { dropout: true, mods: true, blocks: true };
+
+    /// Whether any path is compiled in.
+    pub fn any(self) -> bool {
+        self.dropout || self.mods || self.blocks
+    }
+
+    /// Whether every path of `need` is compiled in.
+    pub fn covers(self, need: ExtraPaths) -> bool {
+        (self.dropout || !need.dropout) && (self.mods || !need.mods) && (self.blocks || !need.blocks)
+    }
+
+    /// The kernels' `FA_EXTRAS` value: bit 0 dropout, 1 score modifiers, 2 block masks.
+    pub fn bits(self) -> u8 {
+        u8::from(self.dropout) | u8::from(self.mods) << 1 | u8::from(self.blocks) << 2
+    }
+
+    /// The part of a variant's name that says which paths it holds: empty for none, else `_x`
+    /// and a letter per path (`_xd`, `_xs`, `_xb`, `_xdsb`, ...).
+    pub fn suffix(self) -> String {
+        if !self.any() {
+            return String::new();
+        }
+        let letters = [(self.dropout, 'd'), (self.mods, 's'), (self.blocks, 'b')];
+        std::iter::once('_').chain(std::iter::once('x')).chain(letters.iter().filter(|l| l.0).map(|l| l.1)).collect()
+    }
+
+    /// What the compile gate compiles of each shape with optional paths: each path alone, and
+    /// all of them (a combination of two holds a subset of the code of all three).
+    pub fn gated() -> [ExtraPaths; 4] {
+        let none = ExtraPaths::NONE;
+        [
+            ExtraPaths { dropout: true, ..none },
+            ExtraPaths { mods: true, ..none },
+            ExtraPaths { blocks: true, ..none },
+            ExtraPaths::ALL,
+        ]
+    }
+}
+
 /// One compiled instance of the forward kernel (`flash_fwd.cuh`'s compile-time parameters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Variant {
@@ -43,9 +101,9 @@ pub struct Variant {
     pub bc: usize,
     /// Warps per block.
     pub warps: usize,
-    /// Whether dropout, softcap, ALiBi and block masks are compiled in (`FA_EXTRAS`); the
-    /// variants without them keep the plain path's registers.
-    pub extras: bool,
+    /// The optional paths compiled in (`FA_EXTRAS`); the variants without them keep the plain
+    /// path's registers.
+    pub extras: ExtraPaths,
     /// Whether this is the Hopper kernel (`FA_WGMMA`: warpgroup MMAs, sm_90a only; `mt` is 1
     /// and `warps` a multiple of 4) rather than the mma.sync kernel that runs on sm_80 and up.
     pub wgmma: bool,
@@ -94,11 +152,28 @@ impl Variant {
     }
 
     /// A name that says everything that changes the binary, e.g. `flash_fwd_bf16_d128_m1_n64_w8`
-    /// (`_h`: the Hopper kernel, `_x`: with the extras).
+    /// (`_h`: the Hopper kernel, `_x…`: with optional paths, [`ExtraPaths::suffix`]).
     pub fn name(&self) -> String {
         let h = if self.wgmma { "_h" } else { "" };
-        let x = if self.extras { "_x" } else { "" };
+        let x = self.extras.suffix();
         format!("flash_fwd_{}_d{}_m{}_n{}_w{}{h}{x}", self.dtype.name(), self.d, self.mt, self.bc, self.warps)
+    }
+
+    /// Spill bytes that `kernels --compile-all` tolerates for this variant: zero for the plain
+    /// kernels and for one optional path on the Hopper kernel. With optional paths at d >= 128,
+    /// ptxas spills a few words at 255 registers: 4-36 bytes on the mma.sync kernel (every path,
+    /// softcap alone at d = 128 on sm_80, block masks alone at d = 256) and 8-12 bytes on the
+    /// Hopper kernel with every path (docs/cuda-notes.md, "Dropout on 8-bit draws"). The budget is
+    /// there so that a change that spills more, or spills anywhere else, fails.
+    pub fn spill_budget(&self) -> u32 {
+        let paths = u32::from(self.extras.dropout) + u32::from(self.extras.mods) + u32::from(self.extras.blocks);
+        match (self.wgmma, paths) {
+            (_, 0) => 0,
+            _ if self.d < 128 => 0,
+            (false, _) => 40,
+            (true, 1) => 0,
+            (true, _) => 16,
+        }
     }
 
     /// Whether the variant runs on `arch`: the Hopper kernel needs sm_90a (its warpgroup MMAs
@@ -109,7 +184,7 @@ impl Variant {
 
     /// NVRTC options selecting this variant.
     pub fn options(&self) -> Vec<String> {
-        vec![
+        let mut options = vec![
             "--std=c++17".into(),
             "-Xptxas".into(),
             "-v".into(),
@@ -118,9 +193,14 @@ impl Variant {
             format!("-DFA_BC={}", self.bc),
             format!("-DFA_WARPS={}", self.warps),
             format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
-            format!("-DFA_EXTRAS={}", u8::from(self.extras)),
+            format!("-DFA_EXTRAS={}", self.extras.bits()),
             format!("-DFA_WGMMA={}", u8::from(self.wgmma)),
-        ]
+        ];
+        if self.extras.any() {
+            // Without it ptxas gives the d = 64 mma.sync shape 168 registers and spills.
+            options.push("-maxrregcount=255".into());
+        }
+        options
     }
 
     /// The variant used on `arch` for `dtype` and tile width `d` (one of [`HEAD_DIMS`]): the
@@ -134,12 +214,13 @@ impl Variant {
         }
     }
 
-    /// The variant for a problem with dropout, softcap, ALiBi or a block mask on `arch`.
-    pub fn extras_on(arch: &Arch, dtype: DType, d: usize) -> Option<Variant> {
-        if arch.has_wgmma() {
-            Variant::hopper_extras_for(dtype, d)
-        } else {
-            Variant::extras_for(dtype, d)
+    /// The variant for a problem that uses the optional paths `extras` on `arch` (the plain
+    /// [`Variant::default_on`] for none).
+    pub fn extras_on(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths) -> Option<Variant> {
+        match (extras.any(), arch.has_wgmma()) {
+            (false, _) => Variant::default_on(arch, dtype, d),
+            (true, true) => Variant::hopper_extras_for(dtype, d, extras),
+            (true, false) => Variant::extras_for(dtype, d, extras),
         }
     }
 
@@ -152,13 +233,14 @@ impl Variant {
             return None;
         }
         let bc = if d == 128 { 128 } else { 64 };
-        Some(Variant { dtype, d, mt: 1, bc, warps: 8, extras: false, wgmma: true })
+        Some(Variant { dtype, d, mt: 1, bc, warps: 8, extras: ExtraPaths::NONE, wgmma: true })
     }
 
-    /// The Hopper variant with the extras compiled in: as [`Variant::hopper_for`], but 128 keys
-    /// per tile at d = 64 (with the extras, 64 keys would not fit two blocks' registers).
-    pub fn hopper_extras_for(dtype: DType, d: usize) -> Option<Variant> {
-        let v = Variant::hopper_for(dtype, d)?.with_extras(true);
+    /// The Hopper variant with the optional paths `extras` compiled in: as
+    /// [`Variant::hopper_for`], but 128 keys per tile at d = 64 (with the extras, 64 keys would not
+    /// fit two blocks' registers).
+    pub fn hopper_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<Variant> {
+        let v = Variant::hopper_for(dtype, d)?.with_extras(extras);
         Some(if d == 64 { Variant { bc: 128, ..v } } else { v })
     }
 
@@ -177,19 +259,19 @@ impl Variant {
             128 => (1, 128, 8),
             _ => (2, 64, 4),
         };
-        Some(Variant { dtype, d, mt, bc, warps, extras: false, wgmma: false })
+        Some(Variant { dtype, d, mt, bc, warps, extras: ExtraPaths::NONE, wgmma: false })
     }
 
-    /// This variant with the extras (dropout, softcap, ALiBi, block masks) compiled in or not.
-    pub fn with_extras(self, extras: bool) -> Variant {
+    /// This variant with the optional paths `extras` compiled in.
+    pub fn with_extras(self, extras: ExtraPaths) -> Variant {
         Variant { extras, ..self }
     }
 
-    /// The variant for a problem with dropout, softcap or ALiBi: the default shape with the
-    /// extras compiled in, except at d = 64, where that spills on sm_80 (4 B) and 32 keys per tile
-    /// does not (3-6% slower on plain attention, measured in v3).
-    pub fn extras_for(dtype: DType, d: usize) -> Option<Variant> {
-        let v = Variant::default_for(dtype, d)?.with_extras(true);
+    /// The mma.sync variant for a problem that uses the optional paths `extras`: the default shape
+    /// with them compiled in, except at d = 64, where that spills on sm_80 (4 B) and 32 keys per
+    /// tile does not (3-6% slower on plain attention, measured in v3).
+    pub fn extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<Variant> {
+        let v = Variant::default_for(dtype, d)?.with_extras(extras);
         Some(if d == 64 { Variant { bc: 32, ..v } } else { v })
     }
 
@@ -206,14 +288,12 @@ impl Variant {
                     _ => &[(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)],
                 };
                 for &(mt, bc, warps) in shapes {
-                    v.push(Variant { dtype, d, mt, bc, warps, extras: false, wgmma: false });
+                    v.push(Variant { dtype, d, mt, bc, warps, extras: ExtraPaths::NONE, wgmma: false });
                 }
-                if let Some(x) = Variant::extras_for(dtype, d) {
-                    v.push(x);
-                }
-                if let (Some(h), Some(x)) = (Variant::hopper_for(dtype, d), Variant::hopper_extras_for(dtype, d)) {
+                v.extend(ExtraPaths::gated().into_iter().filter_map(|x| Variant::extras_for(dtype, d, x)));
+                if let Some(h) = Variant::hopper_for(dtype, d) {
                     v.push(h);
-                    v.push(x);
+                    v.extend(ExtraPaths::gated().into_iter().filter_map(|x| Variant::hopper_extras_for(dtype, d, x)));
                     // The other key-tile width at d = 64 and 128 (measured slower; kept for bench).
                     if d <= 128 {
                         v.push(Variant { bc: 192 - h.bc, ..h });
@@ -236,8 +316,8 @@ pub struct BwdVariant {
     pub br: usize,
     /// Warps per block; each owns 16 keys, so a block holds `16 · warps` keys (`Bc`).
     pub warps: usize,
-    /// Whether dropout, softcap, ALiBi and block masks are compiled in (`FA_EXTRAS`).
-    pub extras: bool,
+    /// The optional paths compiled in (`FA_EXTRAS`).
+    pub extras: ExtraPaths,
     /// Whether the products run on Hopper's warpgroup MMAs (`FA_WGMMA`, sm_90a only; `warps` a
     /// multiple of 4, a warpgroup's 64 keys per product).
     pub wgmma: bool,
@@ -273,10 +353,10 @@ impl BwdVariant {
     }
 
     /// A name that says everything that changes the binary, e.g. `flash_bwd_bf16_d128_r64_w4`
-    /// (`_h`: the Hopper kernel, `_x`: with the extras).
+    /// (`_h`: the Hopper kernel, `_x…`: with optional paths, [`ExtraPaths::suffix`]).
     pub fn name(&self) -> String {
         let h = if self.wgmma { "_h" } else { "" };
-        let x = if self.extras { "_x" } else { "" };
+        let x = self.extras.suffix();
         format!("flash_bwd_{}_d{}_r{}_w{}{h}{x}", self.dtype.name(), self.d, self.br, self.warps)
     }
 
@@ -309,7 +389,7 @@ impl BwdVariant {
             format!("-DFA_BR={}", self.br),
             format!("-DFA_WARPS={}", self.warps),
             format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
-            format!("-DFA_EXTRAS={}", u8::from(self.extras)),
+            format!("-DFA_EXTRAS={}", self.extras.bits()),
             format!("-DFA_WGMMA={}", u8::from(self.wgmma)),
         ]
     }
@@ -321,7 +401,7 @@ impl BwdVariant {
         if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
-        Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: false, wgmma: false })
+        Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: ExtraPaths::NONE, wgmma: false })
     }
 
     /// The Hopper (sm_90a) variant for `dtype` and head dim `d`, the fastest measured on an H100
@@ -334,33 +414,33 @@ impl BwdVariant {
             return None;
         }
         let br = if d == 64 { 128 } else { 64 };
-        Some(BwdVariant { dtype, d, br, warps: 8, extras: false, wgmma: true })
+        Some(BwdVariant { dtype, d, br, warps: 8, extras: ExtraPaths::NONE, wgmma: true })
     }
 
-    /// The Hopper (sm_90a) variant with the extras (dropout, softcap, ALiBi, block masks) compiled
-    /// in: 64 queries a tile; at d = 64 two warpgroups with Sᵀ and dPᵀ in flight together, at
-    /// d = 128 one warpgroup with dPᵀ issued after dV (the other arrangements spill).
-    pub fn hopper_extras_for(dtype: DType, d: usize) -> Option<BwdVariant> {
+    /// The Hopper (sm_90a) variant with the optional paths `extras` (some) compiled in: 64
+    /// queries a tile; at d = 64 two warpgroups with Sᵀ and dPᵀ in flight together, at d = 128 one
+    /// warpgroup with dPᵀ issued after dV (the other arrangements spill).
+    pub fn hopper_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<BwdVariant> {
         if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
         let warps = if d == 64 { 8 } else { 4 };
-        Some(BwdVariant { dtype, d, br: 64, warps, extras: true, wgmma: true })
+        Some(BwdVariant { dtype, d, br: 64, warps, extras, wgmma: true })
     }
 
-    /// The variant used on `arch` for `dtype`, head dim `d`, with the extras or not: on sm_90a
-    /// the Hopper kernel ([`BwdVariant::hopper_for`], [`BwdVariant::hopper_extras_for`]), else
-    /// [`BwdVariant::default_for`].
-    pub fn default_on(arch: &Arch, dtype: DType, d: usize, extras: bool) -> Option<BwdVariant> {
-        match (arch.has_wgmma(), extras) {
+    /// The variant used on `arch` for `dtype`, head dim `d` and the optional paths `extras`: on
+    /// sm_90a the Hopper kernel ([`BwdVariant::hopper_for`], [`BwdVariant::hopper_extras_for`]),
+    /// else [`BwdVariant::default_for`] with them.
+    pub fn default_on(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths) -> Option<BwdVariant> {
+        match (arch.has_wgmma(), extras.any()) {
             (true, false) => BwdVariant::hopper_for(dtype, d),
-            (true, true) => BwdVariant::hopper_extras_for(dtype, d),
+            (true, true) => BwdVariant::hopper_extras_for(dtype, d, extras),
             (false, _) => BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras)),
         }
     }
 
-    /// This variant with the extras (dropout, softcap, ALiBi, block masks) compiled in or not.
-    pub fn with_extras(self, extras: bool) -> BwdVariant {
+    /// This variant with the optional paths `extras` compiled in.
+    pub fn with_extras(self, extras: ExtraPaths) -> BwdVariant {
         BwdVariant { extras, ..self }
     }
 
@@ -371,10 +451,10 @@ impl BwdVariant {
             for d in BWD_HEAD_DIMS {
                 // (128, 4) was measured too (docs/cuda-notes.md): slower everywhere and it spills.
                 for (br, warps) in [(64, 4), (64, 8)] {
-                    v.push(BwdVariant { dtype, d, br, warps, extras: false, wgmma: false });
+                    v.push(BwdVariant { dtype, d, br, warps, extras: ExtraPaths::NONE, wgmma: false });
                 }
                 if let Some(x) = BwdVariant::default_for(dtype, d) {
-                    v.push(x.with_extras(true));
+                    v.extend(ExtraPaths::gated().into_iter().map(|e| x.with_extras(e)));
                 }
                 if let Some(h) = BwdVariant::hopper_for(dtype, d) {
                     v.push(h);
@@ -386,12 +466,14 @@ impl BwdVariant {
                         v.push(BwdVariant { br: 64, ..h });
                     }
                 }
-                if let Some(x) = BwdVariant::hopper_extras_for(dtype, d) {
-                    v.push(x);
-                    // d = 64 with the extras on one warpgroup (two blocks per multiprocessor).
-                    if d == 64 {
-                        v.push(BwdVariant { warps: 4, ..x });
+                for e in ExtraPaths::gated() {
+                    if let Some(x) = BwdVariant::hopper_extras_for(dtype, d, e) {
+                        v.push(x);
                     }
+                }
+                // d = 64 with every optional path on one warpgroup (two blocks per multiprocessor).
+                if let Some(x) = BwdVariant::hopper_extras_for(dtype, d, ExtraPaths::ALL).filter(|_| d == 64) {
+                    v.push(BwdVariant { warps: 4, ..x });
                 }
             }
         }

@@ -7,7 +7,9 @@ use cudarc::driver::{
 };
 
 use super::nvrtc::Arch;
-use super::{driver_error, padded_head_dim, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut, Variant};
+use super::{
+    driver_error, padded_head_dim, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut, ExtraPaths, Variant,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::philox::DropoutRng;
@@ -66,25 +68,55 @@ struct BlockMaskParams {
     block_k: i32,
 }
 
-/// `ScoreMod` in `kernels/mask.cuh`: softcap and ALiBi.
+/// `ScoreMod` in `kernels/mask.cuh`: softcap and ALiBi, with the constants the kernels fold the
+/// softmax scale and the softcap into.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct ScoreMod {
     alibi: u64,
     softcap: f32,
     scale: f32,
+    scale_log2: f32,
+    tanh_k: f32,
+    cap_log2: f32,
+    inv_cap: f32,
 }
 
-/// Whether a problem needs the variants with the extras compiled in.
-pub(crate) fn needs_extras(g: &Geometry<'_>) -> bool {
-    g.dropout.is_some_and(|d| d.p > 0.0) || g.softcap.is_some() || g.alibi.is_some() || g.block.is_some()
+impl ScoreMod {
+    /// The modifiers of softmax scale `scale`, softcap `softcap` (if any) and ALiBi slopes at
+    /// device address `alibi` (0 for none); the derived constants are computed in f64.
+    fn new(alibi: u64, softcap: Option<f32>, scale: f32) -> Self {
+        let log2e = std::f64::consts::LOG2_E;
+        let (s, c) = (f64::from(scale), f64::from(softcap.unwrap_or(0.0)));
+        let capped = c > 0.0;
+        Self {
+            alibi,
+            softcap: c as f32,
+            scale,
+            scale_log2: (s * log2e) as f32,
+            tanh_k: if capped { (2.0 * log2e * s / c) as f32 } else { 0.0 },
+            cap_log2: (c * log2e) as f32,
+            inv_cap: if capped { (1.0 / c) as f32 } else { 0.0 },
+        }
+    }
 }
 
-/// A variant without the extras compiled in cannot run a problem that needs them.
-fn check_extras(g: &Geometry<'_>, extras: bool, name: &str) -> Result<()> {
-    if needs_extras(g) && !extras {
+/// The optional kernel paths a problem uses.
+pub(crate) fn needs_extras(g: &Geometry<'_>) -> ExtraPaths {
+    ExtraPaths {
+        dropout: g.dropout.is_some_and(|d| d.p > 0.0),
+        mods: g.softcap.is_some() || g.alibi.is_some(),
+        blocks: g.block.is_some(),
+    }
+}
+
+/// A variant cannot run a problem that uses an optional path it does not hold.
+fn check_extras(g: &Geometry<'_>, have: ExtraPaths, name: &str) -> Result<()> {
+    let need = needs_extras(g);
+    if !have.covers(need) {
         return Err(Error::Unsupported(format!(
-            "variant {name} has no dropout, softcap, ALiBi or block mask compiled in; use its `_x` twin"
+            "variant {name} lacks an optional path this problem uses; use its `{}` twin",
+            need.suffix()
         )));
     }
     Ok(())
@@ -203,9 +235,14 @@ impl DropoutParams {
             Some(d) if d.p > 0.0 => {
                 let rng = DropoutRng::new(d.p, d.seed, d.offset);
                 let [seed_lo, seed_hi] = rng.key();
-                // `threshold <= 2^32 - 256` for p < 1 (philox.rs), so it fits a u32.
-                let threshold = u32::try_from(rng.threshold()).unwrap_or(u32::MAX);
-                Self { seed_lo, seed_hi, offset: rng.offset(), threshold, scale: rng.scale(), enabled: 1 }
+                Self {
+                    seed_lo,
+                    seed_hi,
+                    offset: rng.offset(),
+                    threshold: rng.threshold(),
+                    scale: rng.scale(),
+                    enabled: 1,
+                }
             }
             _ => Self::default(),
         }
@@ -239,8 +276,7 @@ pub(crate) fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) ->
 /// The forward variant for this problem on `arch`, or why the CUDA forward cannot run it.
 pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<Variant> {
     let width = check_supported(g, dtype, false)?;
-    let variant =
-        if needs_extras(g) { Variant::extras_on(arch, dtype, width) } else { Variant::default_on(arch, dtype, width) };
+    let variant = Variant::extras_on(arch, dtype, width, needs_extras(g));
     variant.ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
 }
 
@@ -329,7 +365,7 @@ pub(crate) fn forward<T: CudaElement>(
     check_extras(g, variant.extras, &variant.name())?;
     let alibi = upload_alibi(dev, g)?;
     let (alibi_ptr, _alibi_sync) = optional_ptr(alibi.as_ref(), stream);
-    let score_mod = ScoreMod { alibi: alibi_ptr, softcap: g.softcap.unwrap_or(0.0), scale: g.scale };
+    let score_mod = ScoreMod::new(alibi_ptr, g.softcap, g.scale);
     let block_mask = upload_block_mask(dev, g)?;
     let (block_ptr, _block_sync) = optional_ptr(block_mask.as_ref(), stream);
     let block = block_params(g, block_ptr)?;
@@ -544,7 +580,7 @@ pub(crate) fn backward<T: CudaElement>(
     check_extras(g, variant.extras, &variant.name())?;
     let alibi = upload_alibi(dev, g)?;
     let (alibi_ptr, _alibi_sync) = optional_ptr(alibi.as_ref(), stream);
-    let score_mod = ScoreMod { alibi: alibi_ptr, softcap: g.softcap.unwrap_or(0.0), scale: g.scale };
+    let score_mod = ScoreMod::new(alibi_ptr, g.softcap, g.scale);
     let block_mask = upload_block_mask(dev, g)?;
     let (block_ptr, _block_sync) = optional_ptr(block_mask.as_ref(), stream);
     let block = block_params(g, block_ptr)?;

@@ -48,28 +48,28 @@ use crate::spec::{AttentionSpec, Geometry};
 use crate::tensor::{Tensor, TensorMut};
 use crate::{Gradients, Output};
 
-pub use kernels::{padded_head_dim, BwdVariant, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
+pub use kernels::{padded_head_dim, BwdVariant, ExtraPaths, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
 pub use nvrtc::Arch;
 
-/// Whether a caller's kernel variant `(dtype, tile width, extras)` can run a problem that needs
-/// `need` (the problem's dtype, tile width and whether it needs the extras) on a device where it
+/// Whether a caller's kernel variant `(dtype, tile width, optional paths)` can run a problem that
+/// needs `need` (the problem's dtype, tile width and the optional paths it uses) on a device where it
 /// `runs` (see [`Variant::runs_on`]) or not, `arch`; `d` is the problem's head dim.
 fn check_fit(
     name: &str,
     (runs, arch): (bool, &Arch),
-    have: (DType, usize, bool),
-    need: (DType, usize, bool),
+    have: (DType, usize, ExtraPaths),
+    need: (DType, usize, ExtraPaths),
     d: usize,
 ) -> Result<()> {
     if !runs {
         return Err(Error::Unsupported(format!("variant {name} does not run on {}", arch.0)));
     }
-    if have.0 != need.0 || have.1 != need.1 || (need.2 && !have.2) {
+    if have.0 != need.0 || have.1 != need.1 || !have.2.covers(need.2) {
         return Err(Error::Unsupported(format!(
             "variant {name} does not fit {} d = {d} (tile width {}{})",
             need.0,
             need.1,
-            if need.2 { ", extras" } else { "" }
+            if need.2.any() { format!(", optional paths {}", need.2.suffix()) } else { String::new() }
         )));
     }
     Ok(())
@@ -726,6 +726,11 @@ impl VariantReport {
 /// Compiles every kernel variant for each architecture in `archs` (no GPU needed: NVRTC only),
 /// reporting registers and spills from ptxas. Fails only when NVRTC itself is missing.
 pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
+    compile_matching(archs, "")
+}
+
+/// As [`compile_all`], for the variants whose name contains `pattern` (all for `""`).
+pub fn compile_matching(archs: &[Arch], pattern: &str) -> Result<Vec<VariantReport>> {
     nvrtc::available()?;
     let (fwd_source, bwd_source) = (kernels::forward_source(), kernels::backward_source());
     let decode_source = decode::decode_source();
@@ -733,7 +738,7 @@ pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
     // holds three kernels and ptxas_usage reports the largest, the main kernel's.
     let programs: Vec<(String, &str, Vec<String>, u32, bool)> = Variant::all()
         .into_iter()
-        .map(|v| (v.name(), fwd_source.as_str(), v.options(), 0, v.wgmma))
+        .map(|v| (v.name(), fwd_source.as_str(), v.options(), v.spill_budget(), v.wgmma))
         .chain(
             BwdVariant::all()
                 .into_iter()
@@ -751,7 +756,7 @@ pub fn compile_all(archs: &[Arch]) -> Result<Vec<VariantReport>> {
     let mut reports = Vec::new();
     for arch in archs {
         for (name, source, options, spill_budget, wgmma) in &programs {
-            if *wgmma && !arch.has_wgmma() {
+            if (*wgmma && !arch.has_wgmma()) || !name.contains(pattern) {
                 continue;
             }
             let (log, result) = match nvrtc::compile(name, source, options, arch) {

@@ -17,8 +17,8 @@
 // Compile-time parameters (NVRTC -D options): FA_D (tile width: the head dim, or the next of 64
 // and 128 above it; columns past the runtime `d` load as zeros and are never stored), FA_BR
 // (queries per tile),
-// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (1: dropout, softcap, ALiBi,
-// block masks),
+// FA_WARPS (keys per tile = 16 · FA_WARPS), FA_BF16, FA_EXTRAS (the dropout, score-modifier and
+// block-mask paths compiled in, a set of bits: below),
 // FA_PARTS (query slices of the dP phase; an experiment knob, 1 in every shipped variant),
 // FA_WGMMA (1: sm_90a; the products on warpgroup MMAs, a warpgroup's 64 keys per product, tiles
 // in the wgmma layout; the element-wise code is shared, since a warpgroup's accumulator gives each
@@ -34,8 +34,14 @@
 #define FA_WARPS 4
 #endif
 #ifndef FA_EXTRAS
-#define FA_EXTRAS 0  // 1: dropout, softcap, ALiBi and block masks compiled in (variants `..._x`)
+#define FA_EXTRAS 0  // the optional paths compiled in, a set (variants `..._x<letters>`): see below
 #endif
+// FA_EXTRAS's bits: 1 dropout (`d`), 2 the score modifiers softcap and ALiBi (`s`), 4 block-sparse
+// masks (`b`). A variant holds only what its problem uses, so that one feature's registers and
+// instructions are not paid by a problem that uses another.
+#define FA_DROPOUT ((FA_EXTRAS & 1) != 0)
+#define FA_MODS ((FA_EXTRAS & 2) != 0)
+#define FA_BLOCKS ((FA_EXTRAS & 4) != 0)
 #ifndef FA_BF16
 #define FA_BF16 1
 #endif
@@ -344,41 +350,41 @@ struct FlashBwd {
     }
 
     // Keep bits of this thread's Sᵀ elements for query head stream bh: bit (4·nt + 2·r + c) is
-    // key row g + 8r, query column 8·nt + 2t + c. The four lanes g = 4a .. 4a+3 (same t) hold the
-    // four keys of one four-key group (k0 is a multiple of 16) in rows r = 0, 1 and columns
-    // c = 0, 1: four Philox calls with the same counters, each lane using one word of each. So lane
-    // m = g & 3 draws only (r, c) = (m >> 1, m & 1), sets the keep bit of word w at bit 4·nt + m
-    // of what it owes lane w, and the four lanes swap those words in three shuffles per 32 bits:
-    // one call per four elements. Every lane of the warp must call it.
+    // key row g + 8r, query column 8·nt + 2t + c (q0 a multiple of 16, k0 of 16). In philox.cuh's
+    // layout the call of queries {16a + 2t + c, + 8} and keys with (k % 8) / 2 = g / 2 in this
+    // 32-key block holds four bytes of this thread (its two keys, the two queries) and four of
+    // lane g ^ 1 (the same queries, keys one apart): lane e = g & 1 draws the calls of c = e, keeps
+    // its own bits and packs its partner's, and the pair swaps those in one shuffle per 32 bits:
+    // one call per eight elements. Every lane of the warp must call it.
     static __device__ __forceinline__ void keep_bits(u32 (&bits)[(NT + 7) / 8], const DropoutParams& dp, u32 bh,
                                                      int q0, int k0, int lane) {
+        static_assert(NT % 2 == 0, "whole 16-query blocks");
         constexpr int NW = (NT + 7) / 8;
-        const int g = lane >> 2, t = lane & 3, m = g & 3;
-        const u32 j = (u32)(k0 + (g & ~3) + 8 * (m >> 1));  // the group of rows 4a .. 4a+3 (+ 8r)
-        u32 owe[4][NW];
+        const int g = lane >> 2, t = lane & 3, e = g & 1;
+        const u32 c0 = 4u * ((u32)k0 >> 5) + (u32)(g >> 1);
+        const bool upper = (k0 & 16) != 0;  // keys 16 .. 31 of the block: words 1 and 3
+        u32 mine[NW], theirs[NW];
 #pragma unroll
-        for (int w = 0; w < 4; ++w)
+        for (int k = 0; k < NW; ++k) mine[k] = theirs[k] = 0u;
 #pragma unroll
-            for (int k = 0; k < NW; ++k) owe[w][k] = 0u;
+        for (int a = 0; a < NT / 2; ++a) {
+            const Philox4 w = dropout_call(dp, bh, c0, 8u * (((u32)q0 >> 4) + (u32)a) + 2u * (u32)t + (u32)e);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            Philox4 w = dropout_words(dp, bh, (u32)(q0 + 8 * nt + 2 * t + (m & 1)), j);
-            const int pos = (4 * nt) % 32 + m;
+            for (int hf = 0; hf < 2; ++hf) {  // query row 16a + 2t + e + 8·hf: n-tile 2a + hf
+                const u32 word = upper ? w.x[2 * hf + 1] : w.x[2 * hf];
 #pragma unroll
-            for (int x = 0; x < 4; ++x) owe[x][(4 * nt) / 32] |= (u32)(w.x[x] >= dp.threshold) << pos;
-        }
-        // Lane m takes owe[m] of every lane of its group: lane m ^ x sends its owe[(m ^ x) ^ x].
-#pragma unroll
-        for (int k = 0; k < NW; ++k) {
-            u32 acc = m == 0 ? owe[0][k] : m == 1 ? owe[1][k] : m == 2 ? owe[2][k] : owe[3][k];
-#pragma unroll
-            for (int x = 1; x < 4; ++x) {
-                const int to = m ^ x;
-                const u32 send = to == 0 ? owe[0][k] : to == 1 ? owe[1][k] : to == 2 ? owe[2][k] : owe[3][k];
-                acc |= __shfl_xor_sync(0xffffffffu, send, 4 * x);
+                for (int r = 0; r < 2; ++r) {  // key g + 8r: byte 2r + (g & 1) of the word
+                    // Bit 4·nt + 2r + c with c = e: `base` (even, known at compile time) + e.
+                    const int base = 4 * (2 * a + hf) + 2 * r;
+                    const u32 mine_u = (word >> (16 * r + 8 * e)) & 0xffu;
+                    const u32 theirs_u = (word >> (16 * r + 8 * (e ^ 1))) & 0xffu;
+                    mine[base / 32] |= (u32)(mine_u >= dp.threshold) << (base % 32 + e);
+                    theirs[base / 32] |= (u32)(theirs_u >= dp.threshold) << (base % 32 + e);
+                }
             }
-            bits[k] = acc;
         }
+#pragma unroll
+        for (int k = 0; k < NW; ++k) bits[k] = mine[k] | __shfl_xor_sync(0xffffffffu, theirs[k], 4);
     }
 
     static __device__ __forceinline__ bool kept(const u32 (&bits)[(NT + 7) / 8], int nt, int r, int c) {
@@ -602,7 +608,7 @@ struct FlashBwd {
         const int row0 = ctx.row0, rows_valid = ctx.rows_valid, col0 = ctx.col0, off = ctx.off, warp_key = ctx.warp_key;
         const int lane = ctx.lane, g = ctx.g, t = ctx.t, b = ctx.b, h = ctx.h;
         const bool modded = !PLAIN && ctx.modded, drop = !PLAIN && ctx.drop;
-        const bool softcapped = FA_EXTRAS != 0 && !PLAIN && p.mod.softcap > 0.f;
+        const bool softcapped = FA_MODS && !PLAIN && p.mod.softcap > 0.f;
         const float slope = ctx.slope;
         const unsigned char* plane = ctx.plane;
         // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
@@ -643,16 +649,13 @@ struct FlashBwd {
                     const int key = col0 + warp_key + g + 8 * r;
                     float e;
                     if (modded) {
-                        float th;
-                        const float xm =
-                            p.mod.apply(s[nt].x[2 * r + c] * p.mod.scale, slope, row0 + col + off - key, th);
-                        e = fmaf(xm, FA_LOG2E, -l);
+                        e = p.mod.apply_log2(s[nt].x[2 * r + c], slope, row0 + col + off - key) - l;
                     } else {
                         e = fmaf(s[nt].x[2 * r + c], p.scale_log2, -l);
                     }
                     float x = fast_exp2(e);
                     if (!FULL && (key < lo || key >= hi ||
-                                  (FA_EXTRAS != 0 && plane && !p.block.visible(plane, row0 + col, key))))
+                                  (FA_BLOCKS && plane && !p.block.visible(plane, row0 + col, key))))
                         x = 0.f;
                     s[nt].x[2 * r + c] = x;
                 }
@@ -734,7 +737,7 @@ struct FlashBwd {
                             const int key = col0 + warp_key + g + 8 * r;
                             float sm = (__log2f(pr) + (c ? l2.y : l2.x)) * FA_LN2;
                             if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
-                            const float th = sm / p.mod.softcap;
+                            const float th = sm / p.mod.softcap;  // IEEE: its slow path keeps ptxas from spilling here
                             ds *= 1.f - th * th;
                         }
                         dp[i].x[2 * r + c] = ds;
@@ -877,7 +880,7 @@ struct FlashBwd {
         // skipped — except in deterministic mode, where every key tile takes its turn on a query
         // tile's semaphore — and only items with every mask block on may be Full.
         // `next_item(w, all_on)`: the first item at or after w to run; every thread calls it.
-        const bool blocky = FA_EXTRAS != 0 && p.block.active();
+        const bool blocky = FA_BLOCKS && p.block.active();
         auto next_item = [&](int w, bool& all_on) {
             all_on = true;
             if (blocky) {
@@ -939,7 +942,7 @@ struct FlashBwd {
             // each per n-tile, at an immediate offset from these bases.
             const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
             // (Read from the parameters at each item: held across the loop they take registers.)
-            const bool modded = FA_EXTRAS != 0 && p.mod.active(), drop = FA_EXTRAS != 0 && p.dropout.enabled;
+            const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
 
             const ItemCtx ctx{&p, sK, sV, sQ, sDO, sDS, l_base, d_base, vis, row0, rows_valid, col0,
                               off, warp_key, lane, g, t, b, h, tid, warp, info, modded, drop, slope, plane};

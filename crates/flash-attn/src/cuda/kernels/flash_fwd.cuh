@@ -9,8 +9,8 @@
 // Compile-time parameters (NVRTC -D options): FA_D (tile width: the head dim of q, k and v, or
 // the next of 64, 128, 256 above it; the columns past the runtime `d` load as zeros and are
 // never stored, so they change no score and no output), FA_MT (16-row
-// tiles per warp), FA_BC (keys per tile), FA_WARPS, FA_BF16 (1: bf16, 0: fp16), FA_EXTRAS (1: the
-// dropout, softcap, ALiBi and block-mask paths compiled in), FA_WGMMA (1: the sm_90a kernel,
+// tiles per warp), FA_BC (keys per tile), FA_WARPS, FA_BF16 (1: bf16, 0: fp16), FA_EXTRAS (the
+// dropout, score-modifier and block-mask paths compiled in, a set of bits: below), FA_WGMMA (1: the sm_90a kernel,
 // FlashFwdSm90, below).
 
 #ifndef FA_D
@@ -26,8 +26,14 @@
 #define FA_WARPS 4
 #endif
 #ifndef FA_EXTRAS
-#define FA_EXTRAS 0  // 1: dropout, softcap, ALiBi and block masks compiled in (variants `..._x`)
+#define FA_EXTRAS 0  // the optional paths compiled in, a set (variants `..._x<letters>`): see below
 #endif
+// FA_EXTRAS's bits: 1 dropout (`d`), 2 the score modifiers softcap and ALiBi (`s`), 4 block-sparse
+// masks (`b`). A variant holds only what its problem uses, so that one feature's registers and
+// instructions are not paid by a problem that uses another.
+#define FA_DROPOUT ((FA_EXTRAS & 1) != 0)
+#define FA_MODS ((FA_EXTRAS & 2) != 0)
+#define FA_BLOCKS ((FA_EXTRAS & 4) != 0)
 #ifndef FA_BF16
 #define FA_BF16 1
 #endif
@@ -105,10 +111,20 @@ struct FlashFwd {
                 for (int e = 0; e < 4; ++e) s[mt][nt].x[e] *= scale_log2;
     }
 
-    // Softcap and ALiBi on scores that arrive as scale · q·k (natural units), leaving them in
-    // exp2 units like `scores` does without modifiers.
+    // Softcap and ALiBi on scores that arrive as the raw q·k, leaving them in exp2 units like
+    // `scores` does without modifiers.
     static __device__ __forceinline__ void apply_mod(FragC (&s)[MT][NT], const ScoreMod& mod, float slope, int off,
                                                      int row0, int col0, int lane) {
+        if (mod.alibi == nullptr && mod.softcap > 0.f) {
+            // Softcap alone (the common case): the branches out of the element loop.
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt].x[e] = mod.softcap_log2(s[mt][nt].x[e]);
+            return;
+        }
         int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -120,8 +136,7 @@ struct FlashFwd {
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const int j = col0 + 8 * nt + 2 * t + c;
-                        float tanh_unused;
-                        s[mt][nt].x[2 * r + c] = mod.apply(s[mt][nt].x[2 * r + c], slope, i + off - j, tanh_unused) * FA_LOG2E;
+                        s[mt][nt].x[2 * r + c] = mod.apply_log2(s[mt][nt].x[2 * r + c], slope, i + off - j);
                     }
             }
     }
@@ -146,49 +161,68 @@ struct FlashFwd {
                     for (int c = 0; c < 2; ++c) {
                         int j = col0 + 8 * nt + 2 * t + c;
                         bool hidden = j < lo || j >= hi;
-                        if (FA_EXTRAS != 0 && plane && !hidden) hidden = i >= vis.sq || !bm.visible(plane, i, j);
+                        if (FA_BLOCKS && plane && !hidden) hidden = i >= vis.sq || !bm.visible(plane, i, j);
                         if (hidden) s[mt][nt].x[2 * r + c] = -FA_INF;
                     }
             }
     }
 
-    // Dropout on this warp's probabilities (P' = P ∘ keep / (1 - p)), after the row sums took
-    // the undropped P. A thread's two adjacent keys share one Philox call (one four-key group).
-    static __device__ __forceinline__ void apply_dropout(FragC (&s)[MT][NT], const DropoutParams& dp, u32 bh,
-                                                         int row0, int col0, int lane) {
-        int g = lane >> 2, t = lane & 3;
+    // Dropout on probabilities packed as the A operand of P·V (FragA k: keys 16k .. 16k + 15 of
+    // the tile at `col0`, a multiple of 32; rows g and g + 8 of the 16 from `row0`): P ∘ keep,
+    // after the row sums took the undropped P; the factor 1 / (1 - p) is applied to O in
+    // `finish`. Keys 32q .. 32q + 31 are one Philox call's 16 bytes for this thread (philox.cuh):
+    // one call per 16 elements, a few integer operations per four.
+    template <int K>
+    static __device__ __forceinline__ void drop_packed(FragA* pa, const DropoutParams& dp, u32 bh, int row0, int col0,
+                                                       int lane) {
+        static_assert(K % 2 == 0, "whole 32-key blocks");
+        const u32 g = (u32)lane >> 2, t = (u32)lane & 3u;
+        const u32 c1 = 8u * ((u32)row0 >> 4) + g, k_add = (0x8000u - dp.threshold) * 0x10001u;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int q = 0; q < K / 2; ++q) {
+            const Philox4 w = dropout_call(dp, bh, 4u * ((u32)(col0 + 32 * q) >> 5) + t, c1);
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const u32 i = (u32)(row0 + 16 * mt + g + 8 * r);
+            for (int r = 0; r < 2; ++r)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const u32 j = (u32)(col0 + 8 * nt + 2 * t);
-                    Philox4 w = dropout_words(dp, bh, i, j);
-                    const u32 u0 = (t & 1) ? w.x[2] : w.x[0], u1 = (t & 1) ? w.x[3] : w.x[1];
-                    s[mt][nt].x[2 * r] *= u0 >= dp.threshold ? dp.scale : 0.f;
-                    s[mt][nt].x[2 * r + 1] *= u1 >= dp.threshold ? dp.scale : 0.f;
+                for (int m = 0; m < 2; ++m) {
+                    // Word 2r + m: row g + 8r, keys 16m + {2t, 2t + 1} (pair 0: the low n-tile of
+                    // FragA 2q + m) and 16m + 8 + {2t, 2t + 1} (pair 1: its high n-tile).
+                    u32 m0, m1;
+                    dropout_pair_masks(w.x[2 * r + m], k_add, m0, m1);
+                    pa[2 * q + m].x[r] &= m0;
+                    pa[2 * q + m].x[2 + r] &= m1;
                 }
-            }
+        }
     }
 
-    // O += P V for this warp's rows; P comes straight from the score registers.
+    // O += P V for this warp's rows; P comes straight from the score registers, 32 keys at a
+    // time, with dropout (`drop`: the keep mask of stream bh, tile rows from row0, keys from col0)
+    // applied to the packed probabilities.
     static __device__ __forceinline__ void accumulate_pv(FragC (&o)[MT][DT], const FragC (&p)[MT][NT], u32 sV,
-                                                         int lane) {
+                                                         int lane, bool drop, const DropoutParams& dropout, u32 bh,
+                                                         int row0, int col0) {
+        static_assert(BC % 32 == 0, "whole 32-key blocks");
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            FragA pa[MT];
+        for (int kb = 0; kb < BC / 32; ++kb) {
+            FragA pa[MT][2];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) pa[mt] = scores_to_a<BF16>(p[mt][2 * kk], p[mt][2 * kk + 1]);
+            for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                FragB b0, b1;
-                load_b_pair_trans<D>(sV, 16 * kk, dp, lane, b0, b1);
+                for (int x = 0; x < 2; ++x) pa[mt][x] = scores_to_a<BF16>(p[mt][4 * kb + 2 * x], p[mt][4 * kb + 2 * x + 1]);
+                if (FA_DROPOUT && drop) drop_packed<2>(pa[mt], dropout, bh, row0 + 16 * mt, col0 + 32 * kb, lane);
+            }
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma<BF16>(o[mt][2 * dp], pa[mt], b0);
-                    mma<BF16>(o[mt][2 * dp + 1], pa[mt], b1);
+            for (int x = 0; x < 2; ++x) {
+                const int kk = 2 * kb + x;
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    FragB b0, b1;
+                    load_b_pair_trans<D>(sV, 16 * kk, dp, lane, b0, b1);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma<BF16>(o[mt][2 * dp], pa[mt][x], b0);
+                        mma<BF16>(o[mt][2 * dp + 1], pa[mt][x], b1);
+                    }
                 }
             }
         }
@@ -257,7 +291,7 @@ struct FlashFwd {
         if (row0 >= sq) return;
         const int rows_valid = min(BR, sq - row0);
         const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
-        const bool modded = FA_EXTRAS != 0 && p.mod.active();
+        const bool modded = FA_MODS && p.mod.active();
         const float slope = p.mod.slope(b, h, p.hq);
 
         const u16* gQ = p.q + b * p.q_batch + (long long)(q_start + row0) * p.q_row + h * p.q_head;
@@ -286,7 +320,7 @@ struct FlashFwd {
         // With a block-sparse mask (extras variants), key tiles whose mask blocks are all off are
         // skipped and only tiles with every block on may be Full. `next_tile(n, all_on)`: the first
         // tile at or below n that the mask leaves visible (n_begin - 1: none); every thread calls it.
-        const bool blocky = FA_EXTRAS != 0 && p.block.active();
+        const bool blocky = FA_BLOCKS && p.block.active();
         const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
         auto next_tile = [&](int n, bool& all_on) {
             all_on = true;
@@ -318,7 +352,7 @@ struct FlashFwd {
 
                 FragC s[MT][NT];
                 if (modded) {
-                    scores(s, sQ, sK, warp_row, lane, p.mod.scale);
+                    scores(s, sQ, sK, warp_row, lane, 1.f);
                     apply_mod(s, p.mod, slope, sk - sq, row0 + warp_row, col0, lane);
                 } else {
                     scores(s, sQ, sK, warp_row, lane, p.scale_log2);
@@ -336,17 +370,17 @@ struct FlashFwd {
                 cp_async_commit();
 
                 softmax.update(s, o);
-                if (FA_EXTRAS != 0 && p.dropout.enabled) apply_dropout(s, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0, lane);
                 cp_async_wait<1>();
                 __syncthreads();  // V[n] landed
-                accumulate_pv(o, s, sV, lane);
+                accumulate_pv(o, s, sV, lane, p.dropout.enabled != 0, p.dropout, (u32)(b * p.hq + h), row0 + warp_row,
+                              col0);
                 n = next;
                 all_on = next_all_on;
             }
         }
 
         float lse[MT][2];
-        softmax.finish(o, lse);
+        softmax.finish(o, lse, FA_DROPOUT && p.dropout.enabled ? p.dropout.scale : 1.f);
         __syncthreads();  // the Q tile's memory is reused for the output
         store(o, lse, sQ, gO, p.o_row, gL, rows_valid, p.d, warp_row, lane, tid);
     }
@@ -373,9 +407,11 @@ struct FlashFwdSm90 {
     static constexpr int KV_BYTES = BC * D * 2;
     static constexpr int SMEM_BYTES = Q_BYTES + 4 * KV_BYTES;  // Q, two K and two V buffers
     // S of the next tile and P·V of the previous one in flight together (and the softmax under
-    // P·V) needs the score, probability and output registers at once: at d >= 128 with the
-    // extras compiled in that spills, so those variants run the two products one after the other.
-    static constexpr bool OVERLAP = !(FA_EXTRAS != 0 && D >= 128);
+    // P·V) needs the score, probability and output registers at once. With optional paths that
+    // spills except with one path at d = 64 and dropout alone at d = 128 (ptxas, sm_90a): the
+    // other variants run the two products one after the other.
+    static constexpr int PATHS = (int)FA_DROPOUT + (int)FA_MODS + (int)FA_BLOCKS;
+    static constexpr bool OVERLAP = PATHS == 0 || (PATHS == 1 && (D < 128 || (D == 128 && FA_DROPOUT)));
 
     // Issues S = Q Kᵀ for this warpgroup's 64 rows (`sQw`: its first row), unscaled, as one
     // wgmma group; the registers of s are not to be touched before the group is waited for.
@@ -434,7 +470,7 @@ struct FlashFwdSm90 {
         if (row0 >= sq) return;
         const int rows_valid = min(BR, sq - row0);
         const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
-        const bool modded = FA_EXTRAS != 0 && p.mod.active();
+        const bool modded = FA_MODS && p.mod.active();
         const float slope = p.mod.slope(b, h, p.hq);
 
         const u16* gQ = p.q + b * p.q_batch + (long long)(q_start + row0) * p.q_row + h * p.q_head;
@@ -460,7 +496,7 @@ struct FlashFwdSm90 {
         vis.key_range(row0, row0 + rows_valid, key_lo, key_hi);
         const int n_begin = key_lo / BC, n_end = (key_hi + BC - 1) / BC;
 
-        const bool blocky = FA_EXTRAS != 0 && p.block.active();
+        const bool blocky = FA_BLOCKS && p.block.active();
         const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
         auto next_tile = [&](int n, bool& all_on) {
             all_on = true;
@@ -488,10 +524,6 @@ struct FlashFwdSm90 {
         // `correction` for O as OnlineSoftmax::update_p.
         auto probabilities = [&](FragC (&s)[1][NT], int col0, bool full_blocks, float (&correction)[1][2]) {
             if (modded) {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[0][nt].x[e] *= p.mod.scale;
                 Base::apply_mod(s, p.mod, slope, sk - sq, row0 + warp_row, col0, lane);
             } else {
 #pragma unroll
@@ -502,8 +534,19 @@ struct FlashFwdSm90 {
             if (!full_blocks || !vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
                 Base::apply_mask(s, vis, plane, p.block, row0 + warp_row, col0, lane);
             softmax.update_p(s, correction);
-            if (FA_EXTRAS != 0 && p.dropout.enabled)
-                Base::apply_dropout(s, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0, lane);
+        };
+        // P packed for P·V, with dropout on (the tile at col0).
+        // One 32-key block at a time, so that the scores die as the draws are made.
+        auto pack_p = [&](FragA (&pa)[BC / 16], FragC (&s)[1][NT], int col0) {
+#pragma unroll
+            for (int kb = 0; kb < BC / 32; ++kb) {
+#pragma unroll
+                for (int x = 0; x < 2; ++x)
+                    pa[2 * kb + x] = scores_to_a<BF16>(s[0][4 * kb + 2 * x], s[0][4 * kb + 2 * x + 1]);
+                if (FA_DROPOUT && p.dropout.enabled)
+                    Base::template drop_packed<2>(pa + 2 * kb, p.dropout, (u32)(b * p.hq + h), row0 + warp_row,
+                                                  col0 + 32 * kb, lane);
+            }
         };
         // Waits for the copies in flight, then starts the next ones; `j` counts processed tiles.
         // With OVERLAP: K of the next tile and V of this one (P_j·V_j is issued in iteration
@@ -544,8 +587,7 @@ struct FlashFwdSm90 {
                     fence_operands(s[0]);
                     float correction[1][2];
                     probabilities(s, n * BC, all_on, correction);  // O is still 0: no rescale
-#pragma unroll
-                    for (int kk = 0; kk < BC / 16; ++kk) pa[kk] = scores_to_a<BF16>(s[0][2 * kk], s[0][2 * kk + 1]);
+                    pack_p(pa, s, n * BC);
                     n = next;
                     all_on = next_all_on;
                 }
@@ -567,8 +609,7 @@ struct FlashFwdSm90 {
                     wgmma_wait<0>();
                     pv_done(o, pa);
                     OnlineSoftmax<1>::rescale(o, correction);
-#pragma unroll
-                    for (int kk = 0; kk < BC / 16; ++kk) pa[kk] = scores_to_a<BF16>(s[0][2 * kk], s[0][2 * kk + 1]);
+                    pack_p(pa, s, n * BC);
                     n = next;
                     all_on = next_all_on;
                     ++j;
@@ -592,8 +633,7 @@ struct FlashFwdSm90 {
                     float correction[1][2];
                     probabilities(s, n * BC, all_on, correction);
                     OnlineSoftmax<1>::rescale(o, correction);
-#pragma unroll
-                    for (int kk = 0; kk < BC / 16; ++kk) pa[kk] = scores_to_a<BF16>(s[0][2 * kk], s[0][2 * kk + 1]);
+                    pack_p(pa, s, n * BC);
                     issue_pv(o, pa, sV0 + (u32)((j & 1) * KV_BYTES));
                     wgmma_wait<0>();
                     pv_done(o, pa);
@@ -604,7 +644,7 @@ struct FlashFwdSm90 {
         }
 
         float lse[1][2];
-        softmax.finish(o, lse);
+        softmax.finish(o, lse, FA_DROPOUT && p.dropout.enabled ? p.dropout.scale : 1.f);
         __syncthreads();  // the Q tile's memory is reused for the output
         Base::store(o, lse, sQ, gO, p.o_row, gL, rows_valid, p.d, warp_row, lane, tid);
     }

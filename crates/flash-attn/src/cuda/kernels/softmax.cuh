@@ -73,17 +73,18 @@ struct OnlineSoftmax {
         rescale(o, correction);
     }
 
-    // Final normalisation (Algorithm 1 line 12): o /= sum, and each row's natural-log lse.
+    // Final normalisation (Algorithm 1 line 12): o *= out_scale / sum (out_scale: dropout's
+    // 1 / (1 - p), else 1), and each row's natural-log lse of the undropped softmax.
     // Rows that saw no key get o = 0 and lse = -inf (DESIGN §2, rule 5).
     template <int DT>
-    __device__ __forceinline__ void finish(FragC (&o)[MT][DT], float (&lse)[MT][2]) {
+    __device__ __forceinline__ void finish(FragC (&o)[MT][DT], float (&lse)[MT][2], float out_scale = 1.f) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float sum = quad_sum(row_sum[mt][r]);
                 bool empty = !(sum > 0.f);
-                float inv = empty ? 0.f : 1.f / sum;
+                float inv = empty ? 0.f : out_scale / sum;
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     o[mt][dt].x[2 * r] *= inv;

@@ -217,6 +217,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// 1 / x on the hardware's approximate reciprocal (1 ulp; 0 for ±inf, flushing subnormals).
+__device__ __forceinline__ float fast_rcp(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // tanh(y) = 1 - 2 / (2^(2·log2(e)·y) + 1) on the hardware's ex2 and a fast division: absolute
 // error a few 1e-7 over the whole range (softcap scales it by c: ~1e-5 on a score for c = 30,
 // far below the inputs' rounding), ±1 for large |y|, NaN for NaN. tanhf takes ~20 instructions
