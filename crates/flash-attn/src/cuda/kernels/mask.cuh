@@ -86,7 +86,7 @@ struct ScoreMod {
     float scale_log2;    // scale · log2 e
     float tanh_k;        // 2 · log2 e · scale / softcap (0 without softcap)
     float cap_log2;      // softcap · log2 e
-    float inv_cap;       // 1 / softcap (0 without softcap)
+    float inv_cap;       // 1 / softcap (0 without softcap); unread: the backward divides (flash_bwd.cuh)
 
     __device__ __forceinline__ bool active() const { return softcap > 0.f || alibi != nullptr; }
 
