@@ -167,32 +167,27 @@ struct FlashFwd {
             }
     }
 
-    // Dropout on probabilities packed as the A operand of P·V (FragA k: keys 16k .. 16k + 15 of
-    // the tile at `col0`, a multiple of 32; rows g and g + 8 of the 16 from `row0`): P ∘ keep,
-    // after the row sums took the undropped P; the factor 1 / (1 - p) is applied to O in
-    // `finish`. Keys 32q .. 32q + 31 are one Philox call's 16 bytes for this thread (philox.cuh):
-    // one call per 16 elements, a few integer operations per four.
-    template <int K>
-    static __device__ __forceinline__ void drop_packed(FragA* pa, const DropoutParams& dp, u32 bh, int row0, int col0,
-                                                       int lane) {
-        static_assert(K % 2 == 0, "whole 32-key blocks");
+    // Dropout on the probabilities of keys col0 .. col0 + 31 of the tile (col0 a multiple of 32;
+    // rows g and g + 8 of the 16 from `row0`) packed as two A operands of P·V (`pa[0]`: keys
+    // col0 .. col0 + 15, `pa[1]`: the next 16): P ∘ keep, after the row sums took the undropped
+    // P; the factor 1 / (1 - p) is applied to O in `finish`. The 32 keys are one Philox call's 16
+    // bytes for this thread (philox.cuh): one call per 16 elements, a few integer operations per four.
+    static __device__ __forceinline__ void drop_block(FragA* pa, const DropoutParams& dp, u32 bh, int row0, int col0,
+                                                      int lane) {
         const u32 g = (u32)lane >> 2, t = (u32)lane & 3u;
         const u32 c1 = 8u * ((u32)row0 >> 4) + g, k_add = (0x8000u - dp.threshold) * 0x10001u;
+        const Philox4 w = dropout_call(dp, bh, 4u * ((u32)col0 >> 5) + t, c1);
 #pragma unroll
-        for (int q = 0; q < K / 2; ++q) {
-            const Philox4 w = dropout_call(dp, bh, 4u * ((u32)(col0 + 32 * q) >> 5) + t, c1);
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    // Word 2r + m: row g + 8r, keys 16m + {2t, 2t + 1} (pair 0: the low n-tile of
-                    // FragA 2q + m) and 16m + 8 + {2t, 2t + 1} (pair 1: its high n-tile).
-                    u32 m0, m1;
-                    dropout_pair_masks(w.x[2 * r + m], k_add, m0, m1);
-                    pa[2 * q + m].x[r] &= m0;
-                    pa[2 * q + m].x[2 + r] &= m1;
-                }
-        }
+            for (int m = 0; m < 2; ++m) {
+                // Word 2r + m: row g + 8r, keys 16m + {2t, 2t + 1} (pair 0: the low n-tile of
+                // pa[m]) and 16m + 8 + {2t, 2t + 1} (pair 1: its high n-tile).
+                u32 m0, m1;
+                dropout_pair_masks(w.x[2 * r + m], k_add, m0, m1);
+                pa[m].x[r] &= m0;
+                pa[m].x[2 + r] &= m1;
+            }
     }
 
     // O += P V for this warp's rows; P comes straight from the score registers, 32 keys at a
@@ -209,7 +204,7 @@ struct FlashFwd {
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
                 for (int x = 0; x < 2; ++x) pa[mt][x] = scores_to_a<BF16>(p[mt][4 * kb + 2 * x], p[mt][4 * kb + 2 * x + 1]);
-                if (FA_DROPOUT && drop) drop_packed<2>(pa[mt], dropout, bh, row0 + 16 * mt, col0 + 32 * kb, lane);
+                if (FA_DROPOUT && drop) drop_block(pa[mt], dropout, bh, row0 + 16 * mt, col0 + 32 * kb, lane);
             }
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
@@ -544,8 +539,8 @@ struct FlashFwdSm90 {
                 for (int x = 0; x < 2; ++x)
                     pa[2 * kb + x] = scores_to_a<BF16>(s[0][4 * kb + 2 * x], s[0][4 * kb + 2 * x + 1]);
                 if (FA_DROPOUT && p.dropout.enabled)
-                    Base::template drop_packed<2>(pa + 2 * kb, p.dropout, (u32)(b * p.hq + h), row0 + warp_row,
-                                                  col0 + 32 * kb, lane);
+                    Base::drop_block(pa + 2 * kb, p.dropout, (u32)(b * p.hq + h), row0 + warp_row, col0 + 32 * kb,
+                                     lane);
             }
         };
         // Waits for the copies in flight, then starts the next ones; `j` counts processed tiles.
