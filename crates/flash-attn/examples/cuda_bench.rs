@@ -159,16 +159,6 @@ fn bwd_case<T: cuda::CudaElement>(
     compare_gradients(&spec, &grads, &data, &dout, case.dtype)
 }
 
-/// Drops from a case the optional paths that a variant holding `extras` lacks.
-fn without_missing_paths(c: &mut Case, extras: ExtraPaths) {
-    if !extras.mods {
-        (c.softcap, c.alibi) = (None, None);
-    }
-    if !extras.blocks {
-        c.block = None;
-    }
-}
-
 fn sanitize() -> Result<()> {
     let mut rng = Rng::new(7);
     for (i, (d, causal, varlen)) in [
@@ -220,7 +210,7 @@ fn sanitize() -> Result<()> {
         let mut c = random_case(&mut rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
-        without_missing_paths(&mut c, variant.extras);
+        c.retain_paths(variant.extras.mods, variant.extras.blocks);
         let rep = match variant.dtype {
             DType::F16 => run_case::<f16>(&c, Some(variant))?,
             _ => run_case::<bf16>(&c, Some(variant))?,
@@ -233,7 +223,7 @@ fn sanitize() -> Result<()> {
         let mut c = random_case(&mut rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
-        without_missing_paths(&mut c, variant.extras);
+        c.retain_paths(variant.extras.mods, variant.extras.blocks);
         let dropout = variant.extras.dropout.then_some((0.2f32, 11u64, i as u32));
         let passed = match variant.dtype {
             DType::F16 => bwd_case::<f16>(&c, dropout, Some(variant), i % 2 == 1)?,

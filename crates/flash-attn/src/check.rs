@@ -531,6 +531,17 @@ impl fmt::Display for BackwardReport {
 }
 
 impl Case {
+    /// Drops the score modifiers (softcap, ALiBi) unless `mods`, and the block mask unless
+    /// `blocks`: what a kernel variant without those paths can run of this case.
+    pub fn retain_paths(&mut self, mods: bool, blocks: bool) {
+        if !mods {
+            (self.softcap, self.alibi) = (None, None);
+        }
+        if !blocks {
+            self.block = None;
+        }
+    }
+
     /// Runs forward and backward on the CPU (with `dropout` if given) for a random `dout`, and
     /// compares `dq, dk, dv` with the oracle's backward.
     pub fn run_cpu_backward(&self, dropout: Option<Dropout>) -> Result<BackwardReport> {
@@ -608,6 +619,21 @@ mod tests {
         let mean = xs.iter().sum::<f64>() / xs.len() as f64;
         let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
         assert!(mean.abs() < 0.05 && (var - 1.0).abs() < 0.05, "mean {mean} var {var}");
+    }
+
+    #[test]
+    fn retain_paths_drops_only_what_it_is_told() {
+        let mut rng = Rng::new(5);
+        let mut c = Case::random(&mut rng);
+        (c.softcap, c.alibi) = (Some(20.0), Some(true));
+        c.block = Some(BlockCase { block_q: 16, block_k: 16, per_head: false, density_pct: 70 });
+        let (window, causal) = (c.window, c.causal);
+        let mut mods_only = c.clone();
+        mods_only.retain_paths(true, false);
+        assert!(mods_only.softcap.is_some() && mods_only.alibi.is_some() && mods_only.block.is_none());
+        c.retain_paths(false, true);
+        assert!(c.softcap.is_none() && c.alibi.is_none() && c.block.is_some());
+        assert_eq!((c.window, c.causal), (window, causal));
     }
 
     #[test]

@@ -205,22 +205,12 @@ fn every_forward_variant_on_the_device_meets_the_contract() {
             let lo = HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
-            without_missing_paths(&mut c, variant.extras);
+            c.retain_paths(variant.extras.mods, variant.extras.blocks);
             match variant.dtype {
                 DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
                 _ => forward_variant_case::<bf16>(&c, Some(variant)),
             }
         }
-    }
-}
-
-/// Drops from a case the optional paths that a variant holding `extras` lacks.
-fn without_missing_paths(c: &mut Case, extras: ExtraPaths) {
-    if !extras.mods {
-        (c.softcap, c.alibi) = (None, None);
-    }
-    if !extras.blocks {
-        c.block = None;
     }
 }
 
@@ -302,7 +292,7 @@ fn every_backward_variant_on_the_device_meets_the_contract() {
             let lo = BWD_HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
-            without_missing_paths(&mut c, variant.extras);
+            c.retain_paths(variant.extras.mods, variant.extras.blocks);
             let deterministic = n % 3 == 1;
             // Dropout in most cases of a variant that holds it (its other paths come with the case).
             let dropout = (variant.extras.dropout && n % 3 != 2)
