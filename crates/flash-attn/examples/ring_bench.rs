@@ -4,20 +4,26 @@
 //!
 //! ```text
 //! ring_bench [--seqs 32768,65536,131072] [--ranks R] [--hq 32] [--hk 8] [--d 128]
-//!            [--causal both|true|false] [--reps 5]
+//!            [--causal both|true|false] [--reps 5] [--steps]
 //! ```
 //! Causal runs use the zigzag layout, the others the contiguous one; bf16, one sequence (b = 1).
 //! Every timed configuration is first checked: the ring's `out`, `dq`, `dk`, `dv` against the
 //! one-GPU result, within the contract's floor `eps_T · max(1, magnitude)` (the f64 oracle is out
 //! of reach at these lengths); a violation exits 1. Times: wall clock between barriers after a
 //! stream synchronisation on every rank, medians over `--reps` after a warm-up.
+//!
+//! With `--steps`, one more forward + backward call per configuration, with and without its
+//! transfers, records CUDA events around every step ([`NcclRing::set_step_timing`]) and prints,
+//! per rank, pass and step: the step's compute, its transfers (on their own stream) and how long
+//! the compute stream stood waiting for a transfer. A transfer is hidden when that wait is
+//! (near) 0 and no larger than without transfers.
 
 use std::sync::Barrier;
 use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use flash_attn::check::Rng;
-use flash_attn::cuda::ring::NcclRing;
+use flash_attn::cuda::ring::{NcclRing, RingPass, StepTime};
 use flash_attn::cuda::{self, DeviceTensor, DeviceTensorMut};
 use flash_attn::ring::{Layout, RingProblem, Sharding};
 use flash_attn::{AttentionSpec, Result};
@@ -31,6 +37,7 @@ struct Args {
     d: usize,
     causal: Vec<bool>,
     reps: usize,
+    steps: bool,
 }
 
 fn parse() -> Args {
@@ -42,8 +49,13 @@ fn parse() -> Args {
         d: 128,
         causal: vec![false, true],
         reps: 5,
+        steps: false,
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(at) = args.iter().position(|x| x == "--steps") {
+        a.steps = true;
+        args.remove(at);
+    }
     let mut i = 0;
     while i + 1 < args.len() {
         let v = &args[i + 1];
@@ -71,9 +83,9 @@ fn parse() -> Args {
     a
 }
 
-/// A rank's median times (ring fwd, fwd+bwd; without transfers fwd, fwd+bwd) and its `out`,
-/// `dq`, `dk`, `dv`.
-type RankResult = (Vec<f64>, Vec<Vec<bf16>>);
+/// A rank's median times (ring fwd, fwd+bwd; without transfers fwd, fwd+bwd), its `out`, `dq`,
+/// `dk`, `dv`, and with `--steps` its step times with and without transfers.
+type RankResult = (Vec<f64>, Vec<Vec<bf16>>, [Vec<StepTime>; 2]);
 
 /// One rank's outputs.
 struct Bufs {
@@ -217,7 +229,8 @@ fn run(a: Args) -> Result<()> {
                     .into_iter()
                     .zip(devs)
                     .map(|(mut ring, dev)| {
-                        let (problem, tokens, barrier, reps) = (&problem, &tokens, &barrier, a.reps);
+                        let (problem, tokens, barrier, reps, steps_too) =
+                            (&problem, &tokens, &barrier, a.reps, a.steps);
                         let (q, k, v, dout) = (&q, &k, &v, &dout);
                         sc.spawn(move || -> Result<RankResult> {
                             let err = |e: cudarc::driver::DriverError| flash_attn::Error::CudaLaunch(format!("{e:?}"));
@@ -284,7 +297,17 @@ fn run(a: Args) -> Result<()> {
                                     (0..reps).map(|_| step(&ring, &mut b, with_bwd)).collect::<Result<_>>()?,
                                 ));
                             }
-                            Ok((times, results))
+                            let mut steps = [Vec::new(), Vec::new()];
+                            if steps_too {
+                                for (i, transfers) in [true, false].into_iter().enumerate() {
+                                    ring.set_transfers(transfers);
+                                    ring.set_step_timing(true);
+                                    step(&ring, &mut b, true)?;
+                                    steps[i] = ring.take_step_times()?;
+                                    ring.set_step_timing(false);
+                                }
+                            }
+                            Ok((times, results, steps))
                         })
                     })
                     .collect();
@@ -302,7 +325,7 @@ fn run(a: Args) -> Result<()> {
                 let row = rows_of[i];
                 let reference: &[bf16] = if i == 0 { &ref_out } else { &ref_grads[i - 1] };
                 let mut ours = vec![bf16::ZERO; reference.len()];
-                for (r, (_, res)) in per_rank.iter().enumerate() {
+                for (r, (_, res, _)) in per_rank.iter().enumerate() {
                     for (lt, &g) in tokens[r].iter().enumerate() {
                         ours[g * row..(g + 1) * row].copy_from_slice(&res[i][lt * row..(lt + 1) * row]);
                     }
@@ -314,7 +337,7 @@ fn run(a: Args) -> Result<()> {
                     )));
                 }
             }
-            let t = |j: usize| per_rank.iter().map(|(ts, _)| ts[j]).fold(0.0, f64::max);
+            let t = |j: usize| per_rank.iter().map(|(ts, _, _)| ts[j]).fold(0.0, f64::max);
             let (fwd_r, fb_r, fwd_nc, fb_nc) = (t(0), t(1), t(2), t(3));
             println!(
                 "{s:>7} {causal:>6} {:>8} | {fwd_1:>9.2} {fwd_r:>9.2} {:>7.2} {fwd_nc:>9.2} {:>7.2} | {fb_1:>9.2} {fb_r:>9.2} {:>7.2} {fb_nc:>9.2} {:>7.2}",
@@ -324,7 +347,28 @@ fn run(a: Args) -> Result<()> {
                 fb_1 / fb_r,
                 fb_nc / fb_r,
             );
+            if a.steps {
+                print_steps(&per_rank);
+            }
         }
     }
     Ok(())
+}
+
+/// Per rank, pass and step: compute, transfer and wait (ms), with the transfers and without.
+fn print_steps(per_rank: &[RankResult]) {
+    println!(
+        "    {:>4} {:>4} {:>4} | {:>9} {:>9} {:>8} | {:>9} {:>8}   (ms; without transfers on the right)",
+        "rank", "pass", "step", "compute", "transfer", "wait", "compute", "wait"
+    );
+    for (r, (_, _, [with, without])) in per_rank.iter().enumerate() {
+        for (i, s) in with.iter().enumerate() {
+            let pass = if s.pass == RingPass::Forward { "fwd" } else { "bwd" };
+            let (c0, w0) = without.get(i).map_or((f32::NAN, f32::NAN), |x| (x.compute_ms, x.wait_ms));
+            println!(
+                "    {r:>4} {pass:>4} {:>4} | {:>9.3} {:>9.3} {:>8.3} | {c0:>9.3} {w0:>8.3}",
+                s.step, s.compute_ms, s.transfer_ms, s.wait_ms
+            );
+        }
+    }
 }

@@ -67,7 +67,7 @@ fn simulated_rings_on_one_gpu_meet_the_contract() {
 mod nccl {
     use super::*;
     use flash_attn::check::{compare_gradients, report};
-    use flash_attn::cuda::ring::NcclRing;
+    use flash_attn::cuda::ring::{NcclRing, RingPass};
     use flash_attn::ring::{RingProblem, Sharding};
     use flash_attn::{reference, Gradients, Tensor};
 
@@ -117,9 +117,11 @@ mod nccl {
             let handles: Vec<_> = rings
                 .into_iter()
                 .zip(&devs)
-                .map(|(ring, dev)| {
+                .map(|(mut ring, dev)| {
                     let (problem, sharding, data, dout_all) = (&problem, &sharding, &data, &dout_all);
                     s.spawn(move || {
+                        // Timed: the events around each step must not change a result.
+                        ring.set_step_timing(true);
                         let r = ring.rank();
                         let toks = local_tokens(sharding, lens, r);
                         let t = toks.len();
@@ -159,7 +161,8 @@ mod nccl {
                         .unwrap();
                         let down = |x: &cudarc::driver::CudaSlice<T>| dev.stream().clone_dtoh(x).unwrap();
                         let lse_h = dev.stream().clone_dtoh(&lse).unwrap();
-                        (toks, down(&out), lse_h, down(&dq), down(&dk), down(&dv))
+                        let steps = ring.take_step_times().unwrap();
+                        (toks, down(&out), lse_h, down(&dq), down(&dk), down(&dv), steps)
                     })
                 })
                 .collect();
@@ -172,7 +175,22 @@ mod nccl {
             vec![T::default(); total * p.hk * p.d],
             vec![T::default(); total * p.hk * p.dv],
         );
-        for (toks, o, l, gq, gk, gv) in &results {
+        for (r, (toks, o, l, gq, gk, gv, steps)) in results.iter().enumerate() {
+            // One entry per pass and step, in order, each time finite and not negative; a chunk
+            // travels at every step but the last.
+            let want: Vec<(RingPass, usize)> = [RingPass::Forward, RingPass::Backward]
+                .into_iter()
+                .flat_map(|pass| (0..p.ranks).map(move |st| (pass, st)))
+                .collect();
+            let got: Vec<(RingPass, usize)> = steps.iter().map(|x| (x.pass, x.step)).collect();
+            assert_eq!(got, want, "rank {r}: step times {steps:?}");
+            for x in steps {
+                for ms in [x.compute_ms, x.transfer_ms, x.wait_ms] {
+                    assert!(ms.is_finite() && ms >= 0.0, "rank {r}: {x:?}");
+                }
+                let sends = x.pass == RingPass::Backward || x.step + 1 < p.ranks;
+                assert_eq!(x.transfer_ms > 0.0, p.ranks > 1 && sends, "rank {r}: {x:?}");
+            }
             let t = toks.len();
             for (lt, &g) in toks.iter().enumerate() {
                 let put = |dst: &mut [T], src: &[T], row: usize| {

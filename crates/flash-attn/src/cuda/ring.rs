@@ -661,7 +661,7 @@ pub fn simulate_backward<T: CudaElement>(
 }
 
 #[cfg(feature = "nccl")]
-pub use nccl::NcclRing;
+pub use nccl::{NcclRing, RingPass, StepTime};
 
 #[cfg(feature = "nccl")]
 mod nccl {
@@ -670,7 +670,8 @@ mod nccl {
     use std::any::Any;
     use std::sync::{Arc, Mutex};
 
-    use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
+    use cudarc::driver::sys::CUevent_flags;
+    use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut};
     use cudarc::nccl::safe::{group_end, group_start, Comm, Id, NcclType};
 
     use super::{alloc_f32, driver_error, scratch, BwdInputs, BwdState, CudaElement, Device, FwdState, Rank};
@@ -701,6 +702,8 @@ mod nccl {
         rank: usize,
         ranks: usize,
         transfers: bool,
+        /// With step timing on ([`NcclRing::set_step_timing`]), the intervals recorded so far.
+        timing: Option<Mutex<TimingLog>>,
         /// Buffers of the last forward and backward call, reused by the next call of the same
         /// problem on the same stream (a `FwdCache<T>` / `BwdCache<T>`).
         fwd_cache: Mutex<Option<Box<dyn Any + Send>>>,
@@ -712,6 +715,64 @@ mod nccl {
 
     /// A chunk's key and value buffers.
     type Chunk<T> = (CudaSlice<T>, CudaSlice<T>);
+
+    /// Which pass of a ring call a [`StepTime`] belongs to.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum RingPass {
+        /// [`Device::ring_forward`].
+        Forward,
+        /// [`Device::ring_backward`].
+        Backward,
+    }
+
+    /// Where one step of one rank's ring call spent its time, measured with CUDA events (with
+    /// [`NcclRing::set_step_timing`] on).
+    ///
+    /// A step's transfer is hidden when `wait_ms` is (close to) 0 while `transfer_ms` is not:
+    /// the transfer ran on its own stream during the step's compute, and the compute stream
+    /// never stood waiting for it.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    pub struct StepTime {
+        /// The pass.
+        pub pass: RingPass,
+        /// The step, `0..ranks`.
+        pub step: usize,
+        /// On the compute stream: the step's attention kernels and merge (forward), or its
+        /// gradient kernels and the adding into the visiting chunk's dK/dV (backward).
+        pub compute_ms: f32,
+        /// On the transfer stream: the sends and receives this step issued (the next chunk; in
+        /// the backward also the dK/dV accumulators), from when they could start to when they
+        /// ended. It includes any time NCCL waited for the neighbouring ranks.
+        pub transfer_ms: f32,
+        /// On the compute stream: the time it stood still waiting for a transfer.
+        pub wait_ms: f32,
+    }
+
+    /// What a timed interval measured.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Phase {
+        Compute,
+        Transfer,
+        Wait,
+    }
+
+    /// The intervals recorded with step timing on, and how many ring calls have begun.
+    #[derive(Debug, Default)]
+    struct TimingLog {
+        calls: usize,
+        intervals: Vec<Interval>,
+    }
+
+    /// A timed interval of a ring call: two events on one stream.
+    #[derive(Debug)]
+    struct Interval {
+        call: usize,
+        pass: RingPass,
+        step: usize,
+        phase: Phase,
+        start: CudaEvent,
+        end: CudaEvent,
+    }
 
     struct FwdCache<T> {
         key: CacheKey,
@@ -771,6 +832,7 @@ mod nccl {
                 rank,
                 ranks,
                 transfers: true,
+                timing: None,
                 fwd_cache: Mutex::default(),
                 bwd_cache: Mutex::default(),
             })
@@ -796,6 +858,7 @@ mod nccl {
                     rank,
                     ranks,
                     transfers: true,
+                    timing: None,
                     fwd_cache: Mutex::default(),
                     bwd_cache: Mutex::default(),
                 })
@@ -817,6 +880,90 @@ mod nccl {
         /// then sees the ring's compute alone, to compare with the ring with its transfers.
         pub fn set_transfers(&mut self, on: bool) {
             self.transfers = on;
+        }
+
+        /// Turns per-step timing on or off (off by default). While on, every ring call records
+        /// CUDA events around each step's compute, transfers and waits (a few microseconds a
+        /// step); [`NcclRing::take_step_times`] reads them. Turning it off drops what was recorded.
+        pub fn set_step_timing(&mut self, on: bool) {
+            self.timing = on.then(Mutex::default);
+        }
+
+        /// The step times recorded since step timing was turned on or last taken, in the order
+        /// of the calls and steps (one [`StepTime`] per pass and step of each call), and clears
+        /// them. Waits for the recorded work to finish. Empty when step timing is off.
+        pub fn take_step_times(&self) -> Result<Vec<StepTime>> {
+            let Some(log) = &self.timing else { return Ok(Vec::new()) };
+            let intervals = std::mem::take(&mut log.lock().unwrap_or_else(|p| p.into_inner()).intervals);
+            let mut out: Vec<StepTime> = Vec::new();
+            let mut last = None;
+            for iv in intervals {
+                let ms = iv.start.elapsed_ms(&iv.end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
+                // A new entry when the call or step changes; a call's steps come in order.
+                if last != Some((iv.call, iv.step)) {
+                    last = Some((iv.call, iv.step));
+                    out.push(StepTime {
+                        pass: iv.pass,
+                        step: iv.step,
+                        compute_ms: 0.0,
+                        transfer_ms: 0.0,
+                        wait_ms: 0.0,
+                    });
+                }
+                if let Some(t) = out.last_mut() {
+                    match iv.phase {
+                        Phase::Compute => t.compute_ms += ms,
+                        Phase::Transfer => t.transfer_ms += ms,
+                        Phase::Wait => t.wait_ms += ms,
+                    }
+                }
+            }
+            Ok(out)
+        }
+
+        /// With step timing on, counts a new ring call: its intervals are its own steps.
+        fn begin_call(&self) {
+            if let Some(log) = &self.timing {
+                log.lock().unwrap_or_else(|p| p.into_inner()).calls += 1;
+            }
+        }
+
+        /// With step timing on, an event recorded on `stream` now: the start of an interval.
+        fn mark(&self, stream: &CudaStream) -> Result<Option<CudaEvent>> {
+            if self.timing.is_none() {
+                return Ok(None);
+            }
+            let ev = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+            ev.map(Some).map_err(|e| driver_error("cuEventRecord", e))
+        }
+
+        /// Ends the interval `start` (from [`NcclRing::mark`] on the same stream) now and keeps it.
+        fn close(
+            &self,
+            start: Option<CudaEvent>,
+            stream: &CudaStream,
+            (pass, step, phase): (RingPass, usize, Phase),
+        ) -> Result<()> {
+            let (Some(start), Some(log)) = (start, &self.timing) else { return Ok(()) };
+            let end = stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| driver_error("cuEventRecord", e))?;
+            let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
+            let call = log.calls;
+            log.intervals.push(Interval { call, pass, step, phase, start, end });
+            Ok(())
+        }
+
+        /// Makes `compute` wait for `what` (an event on the transfer stream, or the transfer
+        /// stream's work so far), timed as this step's wait.
+        fn wait_for(&self, compute: &CudaStream, what: Await<'_>, at: (RingPass, usize)) -> Result<()> {
+            let start = self.mark(compute)?;
+            match what {
+                Await::Event(ev) => compute.wait(ev),
+                Await::Stream(s) => compute.join(s),
+            }
+            .map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+            self.close(start, compute, (at.0, at.1, Phase::Wait))
         }
 
         /// Enqueues on the transfer stream: each of `send` to the next rank, each of `recv` from
@@ -861,6 +1008,12 @@ mod nccl {
         }
     }
 
+    /// What the compute stream waits for in [`NcclRing::wait_for`].
+    enum Await<'a> {
+        Event(&'a CudaEvent),
+        Stream(&'a CudaStream),
+    }
+
     /// `(&pair[i], &mut pair[1 - i])`.
     fn split_pair<X>(pair: &mut [X; 2], i: usize) -> (&X, &mut X) {
         let [a, b] = pair;
@@ -876,23 +1029,26 @@ mod nccl {
         /// what it produced or received; the receive buffer was last read by step − 1's compute):
         /// the chunk held at `step` (the caller's `k`, `v` at step 0, else `bufs[step % 2]`) to
         /// the next rank, and the next one from the previous rank into `bufs[(step + 1) % 2]`.
+        #[allow(clippy::too_many_arguments)]
         fn pass_chunk<T: CudaElement + NcclType>(
             &self,
             dev: &Device,
-            step: usize,
+            (pass, step): (RingPass, usize),
             (k, v): (&CudaView<'_, T>, &CudaView<'_, T>),
             bufs: &mut [Chunk<T>; 2],
             (kn, vn): (usize, usize),
         ) -> Result<()> {
             self.comm_stream.join(dev.stream()).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+            let start = self.mark(&self.comm_stream)?;
             let (held_now, (nk, nv)) = split_pair(bufs, step % 2);
             let (mut nk, mut nv) = (nk.slice_mut(..kn), nv.slice_mut(..vn));
             if step == 0 {
-                self.exchange(&[k, v], &mut [&mut nk, &mut nv])
+                self.exchange(&[k, v], &mut [&mut nk, &mut nv])?;
             } else {
                 let (ck, cv) = (held_now.0.slice(..kn), held_now.1.slice(..vn));
-                self.exchange(&[&ck, &cv], &mut [&mut nk, &mut nv])
+                self.exchange(&[&ck, &cv], &mut [&mut nk, &mut nv])?;
             }
+            self.close(start, &self.comm_stream, (pass, step, Phase::Transfer))
         }
     }
 
@@ -945,6 +1101,7 @@ mod nccl {
                 },
             };
             let FwdCache { st, bufs, .. } = &mut cache;
+            ring.begin_call();
             let _in_flight = JoinOnDrop { compute: self.stream(), comm: &ring.comm_stream };
             let (kn, vn) = (t * p.hk * p.d, t * p.hk * p.dv);
             let cs = &ring.comm_stream;
@@ -952,19 +1109,22 @@ mod nccl {
                 let last = step + 1 == p.ranks;
                 // The chunk held now: the caller's at step 0, else the buffer received into.
                 let cur = step % 2;
+                let at = (RingPass::Forward, step);
                 if !last && t > 0 {
-                    ring.pass_chunk(self, step, (k, v), bufs, (kn, vn))?;
+                    ring.pass_chunk(self, at, (k, v), bufs, (kn, vn))?;
                 }
                 if t > 0 {
+                    let start = ring.mark(self.stream())?;
                     if step == 0 {
                         rank.forward_step(step, q, k, v, st)?;
                     } else {
                         let (ck, cv) = (bufs[cur].0.slice(..kn), bufs[cur].1.slice(..vn));
                         rank.forward_step(step, q, &ck, &cv, st)?;
                     }
+                    ring.close(start, self.stream(), (at.0, at.1, Phase::Compute))?;
                 }
                 if !last && t > 0 {
-                    self.stream().join(cs).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+                    ring.wait_for(self.stream(), Await::Stream(cs), at)?;
                 }
             }
             if t > 0 {
@@ -976,7 +1136,8 @@ mod nccl {
 
         /// This rank's part of a ring backward over `ring`: `dq`, `dk`, `dv` (packed, contiguous)
         /// from the inputs, the ring forward's `out` and `lse`, and `dout`. Each chunk's `f32`
-        /// `dK`/`dV` accumulators travel with it one step behind and come home after the last.
+        /// `dK`/`dV` accumulators travel with it one step behind; after the last step they come
+        /// home narrowed to the dtype, at half the bytes.
         #[allow(clippy::too_many_arguments)]
         pub fn ring_backward<T: CudaElement + NcclType>(
             &self,
@@ -1032,6 +1193,7 @@ mod nccl {
                 },
             };
             let BwdCache { st, bufs, acc, .. } = &mut cache;
+            ring.begin_call();
             let _in_flight = JoinOnDrop { compute: self.stream(), comm: &ring.comm_stream };
             let ins = BwdInputs { q: q.slice(..), out: out.slice(..), lse: lse.slice(..), dout: dout.slice(..) };
             let cs = &ring.comm_stream;
@@ -1041,49 +1203,73 @@ mod nccl {
             for step in 0..p.ranks {
                 let last = step + 1 == p.ranks;
                 let cur = step % 2;
+                let at = (RingPass::Backward, step);
                 let mut kv_arrived = None;
                 if !last {
-                    ring.pass_chunk(self, step, (k, v), bufs, (kn, vn))?;
+                    ring.pass_chunk(self, at, (k, v), bufs, (kn, vn))?;
                     kv_arrived = Some(event("cuEventRecord")?);
                 }
+                let start = ring.mark(self.stream())?;
                 let work = if step == 0 {
                     rank.backward_compute(step, &ins, k, v, st)?
                 } else {
                     let (ck, cv) = (bufs[cur].0.slice(..kn), bufs[cur].1.slice(..vn));
                     rank.backward_compute(step, &ins, &ck, &cv, st)?
                 };
+                ring.close(start, self.stream(), (at.0, at.1, Phase::Compute))?;
                 // The chunk's dK/dV from the previous rank must be here before adding to them;
                 // the step's gradients above did not wait for them.
                 if let Some(ev) = dkv_arrived.take() {
-                    self.stream().wait(&ev).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+                    ring.wait_for(self.stream(), Await::Event(&ev), at)?;
                 }
                 {
+                    let start = ring.mark(self.stream())?;
                     let (dka, dva) = &mut acc[held];
                     rank.backward_add(work, st, dka, dva)?;
+                    ring.close(start, self.stream(), (at.0, at.1, Phase::Compute))?;
                 }
-                // Pass the accumulators on (the next rank holds this chunk next; after the last
-                // step they reach its owner) and take the previous rank's into the other pair,
-                // which the exchange overwrites whole.
-                if p.ranks > 1 {
+                // Pass the accumulators on (the next rank holds this chunk next) and take the
+                // previous rank's into the other pair, which the exchange overwrites whole. After
+                // the last step the chunk's dK/dV are complete: narrowed to the dtype here (the
+                // rounding the owner would do), they travel at half the bytes of `f32` straight
+                // into the owner's `dk`, `dv`. The free receive buffers hold them: the last step
+                // receives no chunk, and the send that read them finished before this step
+                // (the compute stream waited for it).
+                if p.ranks > 1 && last {
+                    let (free_k, free_v) = &mut bufs[1 - cur];
+                    rank.narrow(free_k, &acc[held].0, kn)?;
+                    rank.narrow(free_v, &acc[held].1, vn)?;
                     cs.join(self.stream()).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+                    let start = ring.mark(cs)?;
+                    let (sk, sv) = (free_k.slice(..kn), free_v.slice(..vn));
+                    let (mut rk, mut rv) = (dk.slice_mut(..), dv.slice_mut(..));
+                    ring.exchange(&[&sk, &sv], &mut [&mut rk, &mut rv])?;
+                    ring.close(start, cs, (at.0, at.1, Phase::Transfer))?;
+                    dkv_arrived = Some(event("cuEventRecord")?);
+                } else if p.ranks > 1 {
+                    cs.join(self.stream()).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+                    let start = ring.mark(cs)?;
                     let [a0, a1] = acc;
                     let (send, recv) = if held == 0 { (a0, a1) } else { (a1, a0) };
                     let (sk, sv) = (send.0.slice(..kn), send.1.slice(..vn));
                     let (mut rk, mut rv) = (recv.0.slice_mut(..kn), recv.1.slice_mut(..vn));
                     ring.exchange(&[&sk, &sv], &mut [&mut rk, &mut rv])?;
+                    ring.close(start, cs, (at.0, at.1, Phase::Transfer))?;
                     held = 1 - held;
                     dkv_arrived = Some(event("cuEventRecord")?);
                 }
                 if let Some(ev) = kv_arrived {
-                    self.stream().wait(&ev).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+                    ring.wait_for(self.stream(), Await::Event(&ev), at)?;
                 }
             }
             if let Some(ev) = dkv_arrived {
-                self.stream().wait(&ev).map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+                ring.wait_for(self.stream(), Await::Event(&ev), (RingPass::Backward, p.ranks - 1))?;
             }
             rank.narrow(dq, &st.dq, qn)?;
-            rank.narrow(dk, &acc[held].0, kn)?;
-            rank.narrow(dv, &acc[held].1, vn)?;
+            if p.ranks == 1 {
+                rank.narrow(dk, &acc[held].0, kn)?;
+                rank.narrow(dv, &acc[held].1, vn)?;
+            }
             *ring.bwd_cache.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(cache));
             Ok(())
         }
