@@ -159,6 +159,18 @@ fn bwd_case<T: cuda::CudaElement>(
     compare_gradients(&spec, &grads, &data, &dout, case.dtype)
 }
 
+/// Fits case `c` to a variant holding the optional paths `extras`: the score modifiers and block
+/// mask it lacks dropped, its softcap and ALiBi on where it holds them.
+fn use_paths(c: &mut Case, extras: ExtraPaths) {
+    c.retain_paths(extras.softcap, extras.alibi, extras.blocks);
+    if extras.softcap {
+        c.softcap.get_or_insert(12.0);
+    }
+    if extras.alibi {
+        c.alibi.get_or_insert(true);
+    }
+}
+
 fn sanitize() -> Result<()> {
     let mut rng = Rng::new(7);
     for (i, (d, causal, varlen)) in [
@@ -210,7 +222,7 @@ fn sanitize() -> Result<()> {
         let mut c = random_case(&mut rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
-        c.retain_paths(variant.extras.mods, variant.extras.blocks);
+        use_paths(&mut c, variant.extras);
         let rep = match variant.dtype {
             DType::F16 => run_case::<f16>(&c, Some(variant))?,
             _ => run_case::<bf16>(&c, Some(variant))?,
@@ -223,7 +235,7 @@ fn sanitize() -> Result<()> {
         let mut c = random_case(&mut rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
-        c.retain_paths(variant.extras.mods, variant.extras.blocks);
+        use_paths(&mut c, variant.extras);
         let dropout = variant.extras.dropout.then_some((0.2f32, 11u64, i as u32));
         let passed = match variant.dtype {
             DType::F16 => bwd_case::<f16>(&c, dropout, Some(variant), i % 2 == 1)?,
@@ -329,7 +341,11 @@ struct Extras {
 impl Extras {
     /// The optional kernel paths these options use.
     fn paths(self) -> ExtraPaths {
-        ExtraPaths { dropout: self.dropout.is_some_and(|p| p > 0.0), mods: self.softcap.is_some(), blocks: false }
+        ExtraPaths {
+            dropout: self.dropout.is_some_and(|p| p > 0.0),
+            softcap: self.softcap.is_some(),
+            ..ExtraPaths::NONE
+        }
     }
 
     fn apply<'a>(self, mut spec: AttentionSpec<'a>) -> AttentionSpec<'a> {

@@ -531,11 +531,14 @@ impl fmt::Display for BackwardReport {
 }
 
 impl Case {
-    /// Drops the score modifiers (softcap, ALiBi) unless `mods`, and the block mask unless
+    /// Drops the softcap unless `softcap`, ALiBi unless `alibi` and the block mask unless
     /// `blocks`: what a kernel variant without those paths can run of this case.
-    pub fn retain_paths(&mut self, mods: bool, blocks: bool) {
-        if !mods {
-            (self.softcap, self.alibi) = (None, None);
+    pub fn retain_paths(&mut self, softcap: bool, alibi: bool, blocks: bool) {
+        if !softcap {
+            self.softcap = None;
+        }
+        if !alibi {
+            self.alibi = None;
         }
         if !blocks {
             self.block = None;
@@ -629,9 +632,15 @@ mod tests {
         c.block = Some(BlockCase { block_q: 16, block_k: 16, per_head: false, density_pct: 70 });
         let (window, causal) = (c.window, c.causal);
         let mut mods_only = c.clone();
-        mods_only.retain_paths(true, false);
+        mods_only.retain_paths(true, true, false);
         assert!(mods_only.softcap.is_some() && mods_only.alibi.is_some() && mods_only.block.is_none());
-        c.retain_paths(false, true);
+        let mut cap_only = c.clone();
+        cap_only.retain_paths(true, false, false);
+        assert!(cap_only.softcap.is_some() && cap_only.alibi.is_none() && cap_only.block.is_none());
+        let mut alibi_only = c.clone();
+        alibi_only.retain_paths(false, true, false);
+        assert!(alibi_only.softcap.is_none() && alibi_only.alibi.is_some() && alibi_only.block.is_none());
+        c.retain_paths(false, false, true);
         assert!(c.softcap.is_none() && c.alibi.is_none() && c.block.is_some());
         assert_eq!((c.window, c.causal), (window, causal));
     }

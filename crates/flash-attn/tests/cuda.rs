@@ -110,9 +110,9 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
     assert_eq!(Variant::default_on(&sm90a, DType::F32, 64), None);
 }
 
-/// The seven non-empty sets of optional paths.
+/// The fifteen non-empty sets of optional paths.
 fn every_extra_set() -> impl Iterator<Item = ExtraPaths> {
-    (1u8..8).map(|m| ExtraPaths { dropout: m & 1 != 0, mods: m & 2 != 0, blocks: m & 4 != 0 })
+    (1u8..16).map(|m| ExtraPaths { dropout: m & 1 != 0, softcap: m & 2 != 0, blocks: m & 4 != 0, alibi: m & 8 != 0 })
 }
 
 #[test]
@@ -122,15 +122,19 @@ fn extra_path_sets_name_their_variants() {
         let suffix = e.suffix();
         assert!(suffix.starts_with("_x") && suffix.len() > 2, "{suffix}");
         assert!(suffixes.insert(suffix.clone()), "two sets named {suffix}");
-        assert_eq!(u8::from(e.dropout) + 2 * u8::from(e.mods) + 4 * u8::from(e.blocks), e.bits());
+        let bits = u8::from(e.dropout) + 2 * u8::from(e.softcap) + 4 * u8::from(e.blocks) + 8 * u8::from(e.alibi);
+        assert_eq!(bits, e.bits());
+        assert_eq!(e.count(), bits.count_ones());
         assert!(ExtraPaths::ALL.covers(e) && e.covers(e) && e.covers(ExtraPaths::NONE));
         assert!(!ExtraPaths::NONE.covers(e));
     }
     assert_eq!(ExtraPaths::NONE.suffix(), "");
-    assert_eq!(ExtraPaths::ALL.suffix(), "_xdsb");
+    assert_eq!(ExtraPaths::ALL.suffix(), "_xdsba");
     let d = ExtraPaths { dropout: true, ..ExtraPaths::NONE };
-    let s = ExtraPaths { mods: true, ..ExtraPaths::NONE };
-    assert!(!d.covers(s) && !s.covers(d));
+    let s = ExtraPaths { softcap: true, ..ExtraPaths::NONE };
+    let a = ExtraPaths { alibi: true, ..ExtraPaths::NONE };
+    assert_eq!((s.suffix(), a.suffix()), ("_xs".to_string(), "_xa".to_string()));
+    assert!(!d.covers(s) && !s.covers(d) && !s.covers(a) && !a.covers(s));
 }
 
 #[test]
@@ -198,14 +202,14 @@ fn every_forward_variant_on_the_device_meets_the_contract() {
     let dev = cuda::default_device().expect("a CUDA device");
     let mut rng = Rng::new(31);
     for variant in Variant::all().into_iter().filter(|v| v.runs_on(dev.arch())) {
-        for _ in 0..6 {
+        for n in 0..6 {
             let mut c = random_cuda_case(&mut rng);
             c.dtype = variant.dtype;
             // A head dim that pads to this tile width (the smallest width holding it).
             let lo = HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
-            c.retain_paths(variant.extras.mods, variant.extras.blocks);
+            use_paths(&mut c, variant.extras, n, &mut rng);
             match variant.dtype {
                 DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
                 _ => forward_variant_case::<bf16>(&c, Some(variant)),
@@ -252,6 +256,21 @@ fn fully_masked_rows_give_zero_output_and_neg_inf_lse() {
     }
 }
 
+/// Fits case `c` (the `n`-th for a variant) to a variant holding the optional paths `extras`: the
+/// score modifiers and block masks it lacks dropped, and in two cases of three its softcap and
+/// ALiBi switched on where it holds them (a random case has each in a fifth of cases only).
+fn use_paths(c: &mut Case, extras: ExtraPaths, n: usize, rng: &mut Rng) {
+    c.retain_paths(extras.softcap, extras.alibi, extras.blocks);
+    if n % 3 != 2 {
+        if extras.softcap && c.softcap.is_none() {
+            c.softcap = Some(rng.range(5, 50) as f32);
+        }
+        if extras.alibi && c.alibi.is_none() {
+            c.alibi = Some(rng.chance(0.5));
+        }
+    }
+}
+
 /// A random case inside what the CUDA kernels support, about a third with sequences long enough
 /// for several query and key tiles and ragged tails.
 fn random_cuda_case(rng: &mut Rng) -> Case {
@@ -292,7 +311,7 @@ fn every_backward_variant_on_the_device_meets_the_contract() {
             let lo = BWD_HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
-            c.retain_paths(variant.extras.mods, variant.extras.blocks);
+            use_paths(&mut c, variant.extras, n, &mut rng);
             let deterministic = n % 3 == 1;
             // Dropout in most cases of a variant that holds it (its other paths come with the case).
             let dropout = (variant.extras.dropout && n % 3 != 2)

@@ -38,51 +38,65 @@ pub(crate) fn backward_source() -> String {
 pub struct ExtraPaths {
     /// Dropout (`d` in a variant's name).
     pub dropout: bool,
-    /// The score modifiers: softcap and ALiBi (`s`).
-    pub mods: bool,
+    /// The softcap score modifier (`s`).
+    pub softcap: bool,
     /// Block-sparse masks (`b`).
     pub blocks: bool,
+    /// The ALiBi score bias (`a`): a path of its own, so that softcap alone does not pay its
+    /// registers (the Hopper forward at d = 128 keeps its QKᵀ/PV overlap with softcap alone).
+    pub alibi: bool,
 }
 
 impl ExtraPaths {
     /// No optional path: the plain kernels.
-    pub const NONE: ExtraPaths = ExtraPaths { dropout: false, mods: false, blocks: false };
+    pub const NONE: ExtraPaths = ExtraPaths { dropout: false, softcap: false, blocks: false, alibi: false };
     /// Every optional path.
-    pub const ALL: ExtraPaths = ExtraPaths { dropout: true, mods: true, blocks: true };
+    pub const ALL: ExtraPaths = ExtraPaths { dropout: true, softcap: true, blocks: true, alibi: true };
+
+    /// The paths in bit order, with their letters.
+    fn paths(self) -> [(bool, char); 4] {
+        [(self.dropout, 'd'), (self.softcap, 's'), (self.blocks, 'b'), (self.alibi, 'a')]
+    }
+
+    /// How many paths are compiled in.
+    pub fn count(self) -> u32 {
+        self.paths().iter().map(|p| u32::from(p.0)).sum()
+    }
 
     /// Whether any path is compiled in.
     pub fn any(self) -> bool {
-        self.dropout || self.mods || self.blocks
+        self.count() > 0
     }
 
     /// Whether every path of `need` is compiled in.
     pub fn covers(self, need: ExtraPaths) -> bool {
-        (self.dropout || !need.dropout) && (self.mods || !need.mods) && (self.blocks || !need.blocks)
+        self.paths().iter().zip(need.paths()).all(|(have, need)| have.0 || !need.0)
     }
 
-    /// The kernels' `FA_EXTRAS` value: bit 0 dropout, 1 score modifiers, 2 block masks.
+    /// The kernels' `FA_EXTRAS` value: bit 0 dropout, 1 softcap, 2 block masks, 3 ALiBi.
     pub fn bits(self) -> u8 {
-        u8::from(self.dropout) | u8::from(self.mods) << 1 | u8::from(self.blocks) << 2
+        self.paths().iter().enumerate().map(|(i, p)| u8::from(p.0) << i).sum()
     }
 
     /// The part of a variant's name that says which paths it holds: empty for none, else `_x`
-    /// and a letter per path (`_xd`, `_xs`, `_xb`, `_xdsb`, ...).
+    /// and a letter per path, in bit order (`_xd`, `_xs`, `_xb`, `_xa`, `_xdsba`, ...).
     pub fn suffix(self) -> String {
         if !self.any() {
             return String::new();
         }
-        let letters = [(self.dropout, 'd'), (self.mods, 's'), (self.blocks, 'b')];
-        std::iter::once('_').chain(std::iter::once('x')).chain(letters.iter().filter(|l| l.0).map(|l| l.1)).collect()
+        let letters = self.paths().into_iter().filter(|l| l.0).map(|l| l.1);
+        "_x".chars().chain(letters).collect()
     }
 
     /// What the compile gate compiles of each shape with optional paths: each path alone, and
-    /// all of them (a combination of two holds a subset of the code of all three).
-    pub fn gated() -> [ExtraPaths; 4] {
+    /// all of them (any other combination holds a subset of the code of all four).
+    pub fn gated() -> [ExtraPaths; 5] {
         let none = ExtraPaths::NONE;
         [
             ExtraPaths { dropout: true, ..none },
-            ExtraPaths { mods: true, ..none },
+            ExtraPaths { softcap: true, ..none },
             ExtraPaths { blocks: true, ..none },
+            ExtraPaths { alibi: true, ..none },
             ExtraPaths::ALL,
         ]
     }
@@ -166,8 +180,7 @@ impl Variant {
     /// Hopper kernel with every path (docs/cuda-notes.md, "Dropout on 8-bit draws"). The budget is
     /// there so that a change that spills more, or spills anywhere else, fails.
     pub fn spill_budget(&self) -> u32 {
-        let paths = u32::from(self.extras.dropout) + u32::from(self.extras.mods) + u32::from(self.extras.blocks);
-        match (self.wgmma, paths) {
+        match (self.wgmma, self.extras.count()) {
             (_, 0) => 0,
             _ if self.d < 128 => 0,
             (false, _) => 40,

@@ -79,7 +79,7 @@ struct ScoreMod {
     scale_log2: f32,
     tanh_k: f32,
     cap_log2: f32,
-    inv_cap: f32,
+    inv_cap_log2: f32,
 }
 
 impl ScoreMod {
@@ -96,7 +96,7 @@ impl ScoreMod {
             scale_log2: (s * log2e) as f32,
             tanh_k: if capped { (2.0 * log2e * s / c) as f32 } else { 0.0 },
             cap_log2: (c * log2e) as f32,
-            inv_cap: if capped { (1.0 / c) as f32 } else { 0.0 },
+            inv_cap_log2: if capped { (1.0 / (c * log2e)) as f32 } else { 0.0 },
         }
     }
 }
@@ -105,8 +105,9 @@ impl ScoreMod {
 pub(crate) fn needs_extras(g: &Geometry<'_>) -> ExtraPaths {
     ExtraPaths {
         dropout: g.dropout.is_some_and(|d| d.p > 0.0),
-        mods: g.softcap.is_some() || g.alibi.is_some(),
+        softcap: g.softcap.is_some(),
         blocks: g.block.is_some(),
+        alibi: g.alibi.is_some(),
     }
 }
 

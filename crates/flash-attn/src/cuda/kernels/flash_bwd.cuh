@@ -36,12 +36,14 @@
 #ifndef FA_EXTRAS
 #define FA_EXTRAS 0  // the optional paths compiled in, a set (variants `..._x<letters>`): see below
 #endif
-// FA_EXTRAS's bits: 1 dropout (`d`), 2 the score modifiers softcap and ALiBi (`s`), 4 block-sparse
-// masks (`b`). A variant holds only what its problem uses, so that one feature's registers and
-// instructions are not paid by a problem that uses another.
+// FA_EXTRAS's bits: 1 dropout (`d`), 2 softcap (`s`), 4 block-sparse masks (`b`), 8 ALiBi (`a`).
+// A variant holds only what its problem uses, so that one feature's registers and instructions
+// are not paid by a problem that uses another.
 #define FA_DROPOUT ((FA_EXTRAS & 1) != 0)
-#define FA_MODS ((FA_EXTRAS & 2) != 0)
+#define FA_SOFTCAP ((FA_EXTRAS & 2) != 0)
 #define FA_BLOCKS ((FA_EXTRAS & 4) != 0)
+#define FA_ALIBI ((FA_EXTRAS & 8) != 0)
+#define FA_MODS (FA_SOFTCAP || FA_ALIBI)  // a score modifier
 #ifndef FA_BF16
 #define FA_BF16 1
 #endif
@@ -597,18 +599,19 @@ struct FlashBwd {
     // accumulated, compiled for each case: FULL (every pair visible, every row a real query)
     // without any predicate, or the masked case; PLAIN (no score modification, no dropout: what
     // the variants without the extras always run) without the extras' code, which, predicated
-    // off element by element, would still take the issue slots. Nothing is in flight on the
-    // tensor cores where the paths part or meet.
-    template <bool FULL, bool PLAIN>
+    // off element by element, would still take the issue slots; CAP (in the variants of softcap
+    // alone) with the softcap's code and no branch an element. Nothing is in flight on the tensor cores where the paths part or meet.
+    template <bool FULL, bool PLAIN, bool CAP = false>
     static __device__ __forceinline__ void item(const ItemCtx& ctx, FragC (&dk)[DT], FragC (&dv)[DT],
                                                 FragC (&dq)[DQ_FRAGS]) {
+        static_assert(!(PLAIN && CAP), "CAP is a modified case");
         const BwdParams& p = *ctx.p;
         const u32 sK = ctx.sK, sV = ctx.sV, sQ = ctx.sQ, sDO = ctx.sDO, sDS = ctx.sDS, l_base = ctx.l_base, d_base = ctx.d_base;
         const Visibility vis = ctx.vis;
         const int row0 = ctx.row0, rows_valid = ctx.rows_valid, col0 = ctx.col0, off = ctx.off, warp_key = ctx.warp_key;
         const int lane = ctx.lane, g = ctx.g, t = ctx.t, b = ctx.b, h = ctx.h;
         const bool modded = !PLAIN && ctx.modded, drop = !PLAIN && ctx.drop;
-        const bool softcapped = FA_MODS && !PLAIN && p.mod.softcap > 0.f;
+        const bool softcapped = FA_SOFTCAP && !PLAIN && (CAP || p.mod.softcap > 0.f);
         const float slope = ctx.slope;
         const unsigned char* plane = ctx.plane;
         // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
@@ -648,8 +651,11 @@ struct FlashBwd {
                 for (int r = 0; r < 2; ++r) {
                     const int key = col0 + warp_key + g + 8 * r;
                     float e;
-                    if (modded) {
-                        e = p.mod.apply_log2(s[nt].x[2 * r + c], slope, row0 + col + off - key) - l;
+                    if (CAP) {
+                        e = p.mod.softcap_log2(s[nt].x[2 * r + c]) - l;
+                    } else if (modded) {
+                        const float x = s[nt].x[2 * r + c];
+                        e = p.mod.apply_log2<FA_SOFTCAP, FA_ALIBI>(x, slope, row0 + col + off - key) - l;
                     } else {
                         e = fmaf(s[nt].x[2 * r + c], p.scale_log2, -l);
                     }
@@ -733,10 +739,15 @@ struct FlashBwd {
                         const float pr = s[nt].x[2 * r + c];
                         // A hidden pair's dS is 0 even where dPᵀ is not finite.
                         float ds = (!FULL && pr == 0.f) ? 0.f : pr * (x - dd);
-                        if (softcapped && pr != 0.f) {
+                        if (CAP) {
+                            // tanh = the score in exp2 units over c · log2 e: no ALiBi to take off.
+                            const float th = (__log2f(pr) + (c ? l2.y : l2.x)) * p.mod.inv_cap_log2;
+                            const float dt = fmaf(-th, th, 1.f);
+                            ds = pr == 0.f ? 0.f : ds * dt;  // log2 0 = -inf: its dS is 0
+                        } else if (softcapped && pr != 0.f) {
                             const int key = col0 + warp_key + g + 8 * r;
                             float sm = (__log2f(pr) + (c ? l2.y : l2.x)) * FA_LN2;
-                            if (p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
+                            if (FA_ALIBI && p.mod.alibi) sm += slope * fabsf((float)(row0 + col + off - key));
                             const float th = sm / p.mod.softcap;  // IEEE: its slow path keeps ptxas from spilling here
                             ds *= 1.f - th * th;
                         }
@@ -954,6 +965,13 @@ struct FlashBwd {
                     item<true, true>(ctx, dk, dv, dq);
                 else
                     item<false, true>(ctx, dk, dv, dq);
+            } else if (FA_EXTRAS == 2 && p.mod.softcap > 0.f) {
+                // (In the variants of softcap alone: where other paths are compiled in too, a
+                // third copy of the item costs the registers they need.)
+                if (full)
+                    item<true, false, true>(ctx, dk, dv, dq);
+                else
+                    item<false, false, true>(ctx, dk, dv, dq);
             } else {
                 if (full)
                     item<true, false>(ctx, dk, dv, dq);

@@ -28,12 +28,14 @@
 #ifndef FA_EXTRAS
 #define FA_EXTRAS 0  // the optional paths compiled in, a set (variants `..._x<letters>`): see below
 #endif
-// FA_EXTRAS's bits: 1 dropout (`d`), 2 the score modifiers softcap and ALiBi (`s`), 4 block-sparse
-// masks (`b`). A variant holds only what its problem uses, so that one feature's registers and
-// instructions are not paid by a problem that uses another.
+// FA_EXTRAS's bits: 1 dropout (`d`), 2 softcap (`s`), 4 block-sparse masks (`b`), 8 ALiBi (`a`).
+// A variant holds only what its problem uses, so that one feature's registers and instructions
+// are not paid by a problem that uses another.
 #define FA_DROPOUT ((FA_EXTRAS & 1) != 0)
-#define FA_MODS ((FA_EXTRAS & 2) != 0)
+#define FA_SOFTCAP ((FA_EXTRAS & 2) != 0)
 #define FA_BLOCKS ((FA_EXTRAS & 4) != 0)
+#define FA_ALIBI ((FA_EXTRAS & 8) != 0)
+#define FA_MODS (FA_SOFTCAP || FA_ALIBI)  // a score modifier
 #ifndef FA_BF16
 #define FA_BF16 1
 #endif
@@ -115,7 +117,7 @@ struct FlashFwd {
     // `scores` does without modifiers.
     static __device__ __forceinline__ void apply_mod(FragC (&s)[MT][NT], const ScoreMod& mod, float slope, int off,
                                                      int row0, int col0, int lane) {
-        if (mod.alibi == nullptr && mod.softcap > 0.f) {
+        if (FA_SOFTCAP && (!FA_ALIBI || mod.alibi == nullptr) && mod.softcap > 0.f) {
             // Softcap alone (the common case): the branches out of the element loop.
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -136,7 +138,8 @@ struct FlashFwd {
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const int j = col0 + 8 * nt + 2 * t + c;
-                        s[mt][nt].x[2 * r + c] = mod.apply_log2(s[mt][nt].x[2 * r + c], slope, i + off - j);
+                        float& x = s[mt][nt].x[2 * r + c];
+                        x = mod.apply_log2<FA_SOFTCAP, FA_ALIBI>(x, slope, i + off - j);
                     }
             }
     }
@@ -403,10 +406,11 @@ struct FlashFwdSm90 {
     static constexpr int SMEM_BYTES = Q_BYTES + 4 * KV_BYTES;  // Q, two K and two V buffers
     // S of the next tile and P·V of the previous one in flight together (and the softmax under
     // P·V) needs the score, probability and output registers at once. With optional paths that
-    // spills except with one path at d = 64 and dropout alone at d = 128 (ptxas, sm_90a): the
-    // other variants run the two products one after the other.
-    static constexpr int PATHS = (int)FA_DROPOUT + (int)FA_MODS + (int)FA_BLOCKS;
-    static constexpr bool OVERLAP = PATHS == 0 || (PATHS == 1 && (D < 128 || (D == 128 && FA_DROPOUT)));
+    // spills except with one path at d = 64 and dropout or softcap alone at d = 128 (ptxas,
+    // sm_90a): the other variants run the two products one after the other.
+    static constexpr int PATHS = (int)FA_DROPOUT + (int)FA_SOFTCAP + (int)FA_BLOCKS + (int)FA_ALIBI;
+    static constexpr bool OVERLAP =
+        PATHS == 0 || (PATHS == 1 && (D < 128 || (D == 128 && (FA_DROPOUT || FA_SOFTCAP))));
 
     // Issues S = Q Kᵀ for this warpgroup's 64 rows (`sQw`: its first row), unscaled, as one
     // wgmma group; the registers of s are not to be touched before the group is waited for.

@@ -86,7 +86,7 @@ struct ScoreMod {
     float scale_log2;    // scale · log2 e
     float tanh_k;        // 2 · log2 e · scale / softcap (0 without softcap)
     float cap_log2;      // softcap · log2 e
-    float inv_cap;       // 1 / softcap (0 without softcap); unread: the backward divides (flash_bwd.cuh)
+    float inv_cap_log2;  // 1 / (softcap · log2 e) (0 without softcap): tanh from a score in exp2 units
 
     __device__ __forceinline__ bool active() const { return softcap > 0.f || alibi != nullptr; }
 
@@ -102,15 +102,17 @@ struct ScoreMod {
     // softmax takes it. Softcap: c · tanh(scale · qk / c) = c · (1 - 2 / (e^(2 · scale · qk / c) + 1)),
     // on ex2.approx and rcp.approx with the constants folded (five instructions, two of them on
     // the special-function unit): absolute error a few 1e-7 of c · log2 e, ±c at the extremes,
-    // NaN kept. ALiBi (slope of this (b, h), distance i + off - j) after it.
+    // NaN kept. ALiBi (slope of this (b, h), distance i + off - j) after it. SOFTCAP, ALIBI:
+    // whether the kernel variant holds that path (its code is left out otherwise).
+    template <bool SOFTCAP, bool ALIBI>
     __device__ __forceinline__ float apply_log2(float qk, float slope_bh, int dist) const {
         float x;
-        if (softcap > 0.f) {
+        if (SOFTCAP && softcap > 0.f) {
             x = softcap_log2(qk);
         } else {
             x = qk * scale_log2;
         }
-        if (alibi) x = fmaf(-slope_bh * FA_LOG2E, fabsf((float)dist), x);
+        if (ALIBI && alibi) x = fmaf(-slope_bh * FA_LOG2E, fabsf((float)dist), x);
         return x;
     }
 };
