@@ -250,11 +250,15 @@ impl Variant {
     }
 
     /// The Hopper variant with the optional paths `extras` compiled in: as
-    /// [`Variant::hopper_for`], but 128 keys per tile at d = 64 (with the extras, 64 keys would not
-    /// fit two blocks' registers).
+    /// [`Variant::hopper_for`], but at d = 64 128 keys per tile unless the one path is dropout or
+    /// softcap (64 keys and two blocks a multiprocessor, as the plain kernel: those fit 128
+    /// registers without spilling; block masks, ALiBi or several paths would not).
     pub fn hopper_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<Variant> {
         let v = Variant::hopper_for(dtype, d)?.with_extras(extras);
-        Some(if d == 64 { Variant { bc: 128, ..v } } else { v })
+        let one = ExtraPaths::NONE;
+        let fits_two_blocks =
+            [ExtraPaths { dropout: true, ..one }, ExtraPaths { softcap: true, ..one }].contains(&extras);
+        Some(if d == 64 && !fits_two_blocks { Variant { bc: 128, ..v } } else { v })
     }
 
     /// The mma.sync variant (sm_80 and up) used for `dtype` and tile width `d` (one of
