@@ -162,8 +162,8 @@ pub fn gemm_bf16_ta(
 }
 
 /// [`gemm_bf16`] (`trans_a = false`) or [`gemm_bf16_ta`]: on AMX tiles for [`Isa::Amx`], on
-/// AVX-512 BF16 where [`Isa::bf16_pairs`] holds, otherwise (or on a CPU without them) the
-/// portable loop.
+/// AVX-512 BF16 or NEON's `BFDOT` where [`Isa::bf16_pairs`] holds, otherwise (or on a CPU
+/// without them) the portable loop.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_with(
     isa: Isa,
@@ -209,6 +209,18 @@ pub fn gemm_bf16_with(
                 x86::gemm_avx512_bf16::<true>(c, ldc, a, lda, b, ldb, m, n, kp, accumulate)
             } else {
                 x86::gemm_avx512_bf16::<false>(c, ldc, a, lda, b, ldb, m, n, kp, accumulate)
+            }
+        };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if isa.bf16_pairs() {
+        // SAFETY: the CPU supports NEON and the BF16 extension (`Isa::bf16_pairs` checked both)
+        // and the assert above bounds every access the kernel makes.
+        return unsafe {
+            if trans_a {
+                super::neon::gemm_bf16::<true>(c, ldc, a, lda, b, ldb, m, n, kp, accumulate)
+            } else {
+                super::neon::gemm_bf16::<false>(c, ldc, a, lda, b, ldb, m, n, kp, accumulate)
             }
         };
     }

@@ -169,11 +169,16 @@ impl Isa {
     }
 
     /// Whether the `bf16` products run on `bf16` pairs on this path (AVX-512 BF16's
-    /// `vdpbf16ps`, or AMX tiles); otherwise `bf16` inputs are widened to `f32`.
+    /// `vdpbf16ps`, AMX tiles, or on aarch64 the BF16 extension's `BFDOT`); otherwise `bf16`
+    /// inputs are widened to `f32`.
     pub fn bf16_pairs(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self.avx512() {
             return std::arch::is_x86_feature_detected!("avx512bf16");
+        }
+        #[cfg(target_arch = "aarch64")]
+        if self == Isa::Neon {
+            return std::arch::is_aarch64_feature_detected!("neon") && std::arch::is_aarch64_feature_detected!("bf16");
         }
         false
     }

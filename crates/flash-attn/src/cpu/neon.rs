@@ -1,14 +1,17 @@
 //! aarch64 Advanced SIMD (NEON) micro-kernels: the f32 GEMM of `gemm.rs` (8 rows × 8 columns of
-//! accumulators, 16 of the 32 vector registers) and the online softmax's row kernels of
-//! `vexp.rs` (the AVX-512 path's `2^x` polynomial on 4 lanes).
+//! accumulators, 16 of the 32 vector registers), the `bf16` pair GEMM on `BFDOT` where the CPU has
+//! the BF16 extension (same tile), and the online softmax's row kernels of `vexp.rs` (the AVX-512
+//! path's `2^x` polynomial on 4 lanes).
 //!
-//! Tails run the same operations as the vector body (the GEMM's last `n mod 8` columns as scalar
-//! fused multiply-adds, which round exactly as a vector lane's; a row's last `n mod 4` scores
+//! Tails run the same operations as the vector body (the f32 GEMM's last `n mod 8` columns as
+//! scalar fused multiply-adds, which round exactly as a vector lane's; the `bf16` GEMM's through
+//! zero-padded vectors, since `BFDOT`'s rounding has no scalar twin; a row's last `n mod 4` scores
 //! through a zero-padded vector), so an element's value never depends on where a tile or row
 //! boundary falls.
 
 use std::arch::aarch64::*;
 
+use super::gemm::Bf16Pair;
 use super::vexp::EXP2_TAYLOR;
 
 /// Rows of `C` per micro-tile.
@@ -109,6 +112,134 @@ unsafe fn tile<const R: usize, const TA: bool>(
             }
             vst1q_f32(crow, c0);
             vst1q_f32(crow.add(4), c1);
+        }
+    }
+}
+
+/// `C[m × n] (+)= A · B` on `bf16` pairs along `k` (`A` stored transposed when `TA`), as
+/// [`super::gemm::gemm_bf16_with`]: each `BFDOT` lane adds the two products of a pair to an `f32`
+/// accumulator that starts at zero; `C` is added after the last pair.
+///
+/// # Safety
+/// NEON and the BF16 extension available; all accesses in bounds (`gemm_bf16_with` asserts it).
+#[target_feature(enable = "neon,bf16")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_bf16<const TA: bool>(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[Bf16Pair],
+    lda: usize,
+    b: &[Bf16Pair],
+    ldb: usize,
+    m: usize,
+    n: usize,
+    kp: usize,
+    accumulate: bool,
+) {
+    let (cp, ap, bp) = (c.as_mut_ptr(), a.as_ptr(), b.as_ptr());
+    let mut i = 0;
+    while i < m {
+        let rows = (m - i).min(MR);
+        let mut j = 0;
+        while j < n {
+            let cols = (n - j).min(8);
+            // SAFETY: forwarded from the caller; rows <= MR, columns j..j+cols <= n.
+            unsafe {
+                match rows {
+                    8 => tile_bf16::<8, TA>(cp, ldc, ap, lda, bp, ldb, (i, j, cols), kp, accumulate),
+                    7 => tile_bf16::<7, TA>(cp, ldc, ap, lda, bp, ldb, (i, j, cols), kp, accumulate),
+                    6 => tile_bf16::<6, TA>(cp, ldc, ap, lda, bp, ldb, (i, j, cols), kp, accumulate),
+                    5 => tile_bf16::<5, TA>(cp, ldc, ap, lda, bp, ldb, (i, j, cols), kp, accumulate),
+                    4 => tile_bf16::<4, TA>(cp, ldc, ap, lda, bp, ldb, (i, j, cols), kp, accumulate),
+                    3 => tile_bf16::<3, TA>(cp, ldc, ap, lda, bp, ldb, (i, j, cols), kp, accumulate),
+                    2 => tile_bf16::<2, TA>(cp, ldc, ap, lda, bp, ldb, (i, j, cols), kp, accumulate),
+                    _ => tile_bf16::<1, TA>(cp, ldc, ap, lda, bp, ldb, (i, j, cols), kp, accumulate),
+                }
+            }
+            j += 8;
+        }
+        i += rows;
+    }
+}
+
+/// `acc += BFDOT(b, a)`: lane `l` adds `b[2l]·a[2l] + b[2l+1]·a[2l+1]` (`bf16` halves).
+///
+/// # Safety
+/// NEON and the BF16 extension available.
+#[target_feature(enable = "neon,bf16")]
+#[inline]
+unsafe fn bfdot(acc: float32x4_t, b: uint32x4_t, a: uint32x4_t) -> float32x4_t {
+    let mut acc = acc;
+    // SAFETY: register-only; the caller guarantees the BF16 extension (`BFDOT` needs it).
+    unsafe {
+        std::arch::asm!(
+            "bfdot {acc:v}.4s, {b:v}.8h, {a:v}.8h",
+            acc = inout(vreg) acc,
+            b = in(vreg) b,
+            a = in(vreg) a,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    acc
+}
+
+/// One `R × 8` micro-tile of [`gemm_bf16`] at `(i, j)`, of which `cols` columns are real: a
+/// partial tile reads `B` through a zero-padded copy and stores only its columns.
+///
+/// # Safety
+/// NEON and the BF16 extension available; rows `i..i+R`, columns `j..j+cols` and `kp` in bounds.
+#[target_feature(enable = "neon,bf16")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_bf16<const R: usize, const TA: bool>(
+    c: *mut f32,
+    ldc: usize,
+    a: *const Bf16Pair,
+    lda: usize,
+    b: *const Bf16Pair,
+    ldb: usize,
+    (i, j, cols): (usize, usize, usize),
+    kp: usize,
+    accumulate: bool,
+) {
+    // SAFETY (whole body): offsets stay within the views the caller bounded; the padded copies
+    // are local arrays of 8.
+    unsafe {
+        let mut acc = [[vdupq_n_f32(0.0); 2]; R];
+        let mut pad = [0 as Bf16Pair; 8];
+        for p in 0..kp {
+            let brow = b.add(p * ldb + j);
+            let (b0, b1) = if cols == 8 {
+                (vld1q_u32(brow), vld1q_u32(brow.add(4)))
+            } else {
+                std::ptr::copy_nonoverlapping(brow, pad.as_mut_ptr(), cols);
+                (vld1q_u32(pad.as_ptr()), vld1q_u32(pad.as_ptr().add(4)))
+            };
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let av = vld1q_dup_u32(a.add(super::gemm::a_index::<TA>(i + r, p, lda)));
+                acc_r[0] = bfdot(acc_r[0], b0, av);
+                acc_r[1] = bfdot(acc_r[1], b1, av);
+            }
+        }
+        let mut out = [0.0f32; 8];
+        for (r, acc_r) in acc.iter().enumerate() {
+            let crow = c.add((i + r) * ldc + j);
+            if cols == 8 {
+                let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
+                if accumulate {
+                    c0 = vaddq_f32(c0, vld1q_f32(crow));
+                    c1 = vaddq_f32(c1, vld1q_f32(crow.add(4)));
+                }
+                vst1q_f32(crow, c0);
+                vst1q_f32(crow.add(4), c1);
+            } else {
+                vst1q_f32(out.as_mut_ptr(), acc_r[0]);
+                vst1q_f32(out.as_mut_ptr().add(4), acc_r[1]);
+                for (x, &o) in out[..cols].iter().enumerate() {
+                    let cx = crow.add(x);
+                    *cx = if accumulate { o + *cx } else { o };
+                }
+            }
         }
     }
 }
