@@ -4,8 +4,8 @@ Each rank of a process group holds a chunk of every sequence; the key/value chun
 the ring (``batch_isend_irecv`` to the next rank, from the previous one) while each rank attends
 its queries to the chunk it holds with this package's kernels; partial results merge by their
 log-sum-exp. The backward is FlashAttention's ring backward: ``dK``/``dV`` accumulators (float32)
-travel with the chunks and come home after the last step. With NCCL the transfer of step ``t + 1``
-runs on NCCL's stream while step ``t`` computes on the current one.
+travel with the chunks and come home, narrowed to the dtype, after the last step. With NCCL the
+transfer of step ``t + 1`` runs on NCCL's stream while step ``t`` computes on the current one.
 
 Layouts (the schedule is the library's, ``flash_attn::ring``):
 
@@ -276,7 +276,11 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, scale, softcap, determi
                 dq[:, ring.half:] += g[0]
             dk += g[1]
             dv += g[2]
-        # On to the next rank, which holds this chunk at the next step (after the last: its owner).
+        # On to the next rank, which holds this chunk at the next step. After the last step the
+        # chunk's dK/dV are complete and go to their owner narrowed to the dtype (the rounding
+        # the owner would do): the same values, half the bytes of float32 for float16/bfloat16.
+        if step + 1 == ring.world:
+            dk, dv = dk.to(k.dtype), dv.to(v.dtype)
         pending = ring.exchange([dk, dv], 4 * step + 2)
         if step + 1 < ring.world:
             ring.wait(reqs)
