@@ -1029,7 +1029,6 @@ mod nccl {
         /// what it produced or received; the receive buffer was last read by step − 1's compute):
         /// the chunk held at `step` (the caller's `k`, `v` at step 0, else `bufs[step % 2]`) to
         /// the next rank, and the next one from the previous rank into `bufs[(step + 1) % 2]`.
-        #[allow(clippy::too_many_arguments)]
         fn pass_chunk<T: CudaElement + NcclType>(
             &self,
             dev: &Device,

@@ -600,7 +600,8 @@ struct FlashBwd {
     // without any predicate, or the masked case; PLAIN (no score modification, no dropout: what
     // the variants without the extras always run) without the extras' code, which, predicated
     // off element by element, would still take the issue slots; CAP (in the variants of softcap
-    // alone) with the softcap's code and no branch an element. Nothing is in flight on the tensor cores where the paths part or meet.
+    // alone) with the softcap's code and no branch an element. Nothing is in flight on the tensor
+    // cores where the paths part or meet.
     template <bool FULL, bool PLAIN, bool CAP = false>
     static __device__ __forceinline__ void item(const ItemCtx& ctx, FragC (&dk)[DT], FragC (&dv)[DT],
                                                 FragC (&dq)[DQ_FRAGS]) {
