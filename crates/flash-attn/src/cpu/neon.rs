@@ -104,15 +104,27 @@ unsafe fn tile<const R: usize, const TA: bool>(
             }
         }
         for (r, acc_r) in acc.iter().enumerate() {
-            let crow = c.add((i + r) * ldc + j);
-            let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
-            if accumulate {
-                c0 = vaddq_f32(c0, vld1q_f32(crow));
-                c1 = vaddq_f32(c1, vld1q_f32(crow.add(4)));
-            }
-            vst1q_f32(crow, c0);
-            vst1q_f32(crow.add(4), c1);
+            store_row(c.add((i + r) * ldc + j), *acc_r, accumulate);
         }
+    }
+}
+
+/// A micro-tile row's 8 accumulators into `C` at `crow` (`C + acc` when `accumulate`).
+///
+/// # Safety
+/// NEON available; `crow..crow + 8` in bounds.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn store_row(crow: *mut f32, acc: [float32x4_t; 2], accumulate: bool) {
+    // SAFETY: the caller bounds the 8 floats at `crow`.
+    unsafe {
+        let (mut c0, mut c1) = (acc[0], acc[1]);
+        if accumulate {
+            c0 = vaddq_f32(c0, vld1q_f32(crow));
+            c1 = vaddq_f32(c1, vld1q_f32(crow.add(4)));
+        }
+        vst1q_f32(crow, c0);
+        vst1q_f32(crow.add(4), c1);
     }
 }
 
@@ -225,13 +237,7 @@ unsafe fn tile_bf16<const R: usize, const TA: bool>(
         for (r, acc_r) in acc.iter().enumerate() {
             let crow = c.add((i + r) * ldc + j);
             if cols == 8 {
-                let (mut c0, mut c1) = (acc_r[0], acc_r[1]);
-                if accumulate {
-                    c0 = vaddq_f32(c0, vld1q_f32(crow));
-                    c1 = vaddq_f32(c1, vld1q_f32(crow.add(4)));
-                }
-                vst1q_f32(crow, c0);
-                vst1q_f32(crow.add(4), c1);
+                store_row(crow, *acc_r, accumulate);
             } else {
                 vst1q_f32(out.as_mut_ptr(), acc_r[0]);
                 vst1q_f32(out.as_mut_ptr().add(4), acc_r[1]);
