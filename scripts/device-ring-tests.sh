@@ -6,6 +6,7 @@
 # libnccl.so, so a link of that name goes in a folder on LD_LIBRARY_PATH.
 #   MEMCHECK=1  compute-sanitizer memcheck over a few simulated-ring cases
 #   BENCH="--seqs 32768,65536 ..."  ring_bench with these options
+#   TESTS=0     skip the test binary (bench only)
 set -uo pipefail
 lib=$(python3 - <<'PY'
 import glob, site
@@ -23,7 +24,9 @@ export LD_LIBRARY_PATH="$links:/usr/local/cuda/lib64:${wheel}${LD_LIBRARY_PATH:+
 export FLASH_ATTN_CACHE="$PWD/.devcarry/kcache"
 echo "NCCL: ${lib:-not found}; GPUs: $(nvidia-smi -L | wc -l)"
 status=0
-.devcarry/ring/cuda_ring --include-ignored --test-threads 1 || status=1
+if [ "${TESTS:-1}" = 1 ]; then
+    .devcarry/ring/cuda_ring --include-ignored --test-threads 1 || status=1
+fi
 if [ "${MEMCHECK:-0}" = 1 ]; then
     RING_GPU_CASES=6 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 10 .devcarry/ring/cuda_ring \
         --include-ignored --test-threads 1 2>&1 | tail -4
