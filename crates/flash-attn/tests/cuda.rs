@@ -5,7 +5,7 @@
 #![cfg(feature = "cuda-backend")]
 
 use flash_attn::check::{compare_gradients, report, BlockCase, Case, Rng, Storage};
-use flash_attn::cuda::{self, Arch, BwdVariant, ExtraPaths, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
+use flash_attn::cuda::{self, Arch, BwdVariant, ExtraPaths, Variant, BWD_HEAD_DIMS, HEAD_DIMS, HOPPER_HEAD_DIMS};
 use flash_attn::{reference, AttentionSpec, Causal, DType, Error, Tensor};
 use half::{bf16, f16};
 
@@ -49,6 +49,13 @@ fn head_dims_pad_to_the_compiled_tile_widths() {
     }
     for d in [0, 4, 60, 264] {
         assert_eq!(cuda::padded_head_dim(d, false), None, "d = {d}");
+        assert_eq!(cuda::tile_width(d, false, true), None, "d = {d}");
+    }
+    // The Hopper forward also has widths 96 and 192; its backward and the mma.sync kernels do not.
+    for (d, hopper) in [(8, 64), (72, 96), (96, 96), (104, 128), (136, 192), (192, 192), (200, 256)] {
+        assert_eq!(cuda::tile_width(d, false, true), Some(hopper), "Hopper forward d = {d}");
+        assert_eq!(cuda::tile_width(d, false, false), cuda::padded_head_dim(d, false), "mma.sync d = {d}");
+        assert_eq!(cuda::tile_width(d, true, true), cuda::padded_head_dim(d, true), "backward d = {d}");
     }
 }
 
@@ -89,6 +96,19 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
                 assert!(!y.wgmma && y.extras == e && y.d == d);
                 if ExtraPaths::gated().contains(&e) {
                     assert!(Variant::all().contains(&x) && Variant::all().contains(&y), "{}", x.name());
+                }
+            }
+        }
+        // The widths only the Hopper forward has.
+        for d in HOPPER_HEAD_DIMS.into_iter().filter(|d| !HEAD_DIMS.contains(d)) {
+            let h = Variant::default_on(&sm90a, dtype, d).expect("a Hopper forward variant");
+            assert!(h.wgmma && h.d == d && Variant::all().contains(&h), "{}", h.name());
+            assert_eq!(Variant::default_on(&sm80, dtype, d), None, "d = {d}");
+            for e in every_extra_set() {
+                let x = Variant::extras_on(&sm90a, dtype, d, e).expect("an extras variant");
+                assert!(x.wgmma && x.extras == e && x.d == d);
+                if ExtraPaths::gated().contains(&e) {
+                    assert!(Variant::all().contains(&x), "{}", x.name());
                 }
             }
         }
@@ -142,7 +162,7 @@ fn extra_path_sets_name_their_variants() {
 fn head_dims_between_the_tile_widths_meet_the_contract() {
     cuda::default_device().expect("a CUDA device");
     let mut rng = Rng::new(23);
-    for d in [8, 24, 40, 72, 96, 120, 136, 200, 256] {
+    for d in [8, 24, 40, 72, 96, 120, 136, 160, 192, 200, 256] {
         for _ in 0..3 {
             let mut c = random_cuda_case(&mut rng);
             c.d = d;
@@ -205,8 +225,10 @@ fn every_forward_variant_on_the_device_meets_the_contract() {
         for n in 0..6 {
             let mut c = random_cuda_case(&mut rng);
             c.dtype = variant.dtype;
-            // A head dim that pads to this tile width (the smallest width holding it).
-            let lo = HEAD_DIMS.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
+            // A head dim that pads to this tile width (the smallest width of its kernel family
+            // holding it).
+            let widths: &[usize] = if variant.wgmma { &HOPPER_HEAD_DIMS } else { &HEAD_DIMS };
+            let lo = widths.iter().copied().filter(|&w| w < variant.d).max().unwrap_or(0);
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
             use_paths(&mut c, variant.extras, n, &mut rng);

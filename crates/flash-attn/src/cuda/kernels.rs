@@ -128,15 +128,37 @@ pub struct Variant {
 /// stored ([`padded_head_dim`]).
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
+/// Tile widths the Hopper forward kernels (sm_90a) are compiled for: [`HEAD_DIMS`] and the widths
+/// between them, 96 and 192, so that d 96 (Phi-3) and d 136-192 do not pay a third of their
+/// products on zero columns. The tiles sit in shared memory as 64-column blocks, so a 96 tile
+/// takes the memory of a 128 one; only the products shrink.
+pub const HOPPER_HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
+
 /// Tile widths the backward kernels are compiled for (a warp's dK and dV rows live in registers:
 /// 256 columns would not fit).
 pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// The compiled tile width that runs head dim `d` (forward, or backward when `backward`): the
-/// smallest of [`HEAD_DIMS`] (or [`BWD_HEAD_DIMS`]) that is at least `d`; `None` if `d` is 0, not
-/// a multiple of 8 (loads move 16-byte chunks) or wider than the widest.
+/// The compiled tile width that runs head dim `d` (forward, or backward when `backward`) on the
+/// mma.sync kernels: the smallest of [`HEAD_DIMS`] (or [`BWD_HEAD_DIMS`]) that is at least `d`;
+/// `None` if `d` is 0, not a multiple of 8 (loads move 16-byte chunks) or wider than the widest.
+/// On sm_90a the forward runs [`HOPPER_HEAD_DIMS`] ([`tile_width`]).
 pub fn padded_head_dim(d: usize, backward: bool) -> Option<usize> {
     let widths: &[usize] = if backward { &BWD_HEAD_DIMS } else { &HEAD_DIMS };
+    smallest_width(widths, d)
+}
+
+/// The tile width that runs head dim `d` on the Hopper kernels (`wgmma`) or the mma.sync ones:
+/// for the forward on Hopper the smallest of [`HOPPER_HEAD_DIMS`] holding `d`, else
+/// [`padded_head_dim`].
+pub fn tile_width(d: usize, backward: bool, wgmma: bool) -> Option<usize> {
+    if wgmma && !backward {
+        smallest_width(&HOPPER_HEAD_DIMS, d)
+    } else {
+        padded_head_dim(d, backward)
+    }
+}
+
+fn smallest_width(widths: &[usize], d: usize) -> Option<usize> {
     if d == 0 || !d.is_multiple_of(8) {
         return None;
     }
@@ -155,11 +177,12 @@ impl Variant {
     }
 
     /// Dynamic shared memory, 2 bytes an element: the Q tile plus one K and one V tile; the
-    /// Hopper kernel keeps two buffers each of K and V, and 1 KiB of slack to align the tiles to
-    /// the 1024-byte period of the 128-byte swizzle.
+    /// Hopper kernel keeps two buffers each of K and V in 64-column blocks (a 96 tile takes two,
+    /// as a 128 one does), and 1 KiB of slack to align the tiles to the 1024-byte period of the
+    /// 128-byte swizzle.
     pub fn smem_bytes(&self) -> usize {
         if self.wgmma {
-            (self.block_rows() + 4 * self.bc) * self.d * 2 + 1024
+            (self.block_rows() + 4 * self.bc) * self.d.next_multiple_of(64) * 2 + 1024
         } else {
             (self.block_rows() + 2 * self.bc) * self.d * 2
         }
@@ -216,9 +239,9 @@ impl Variant {
         options
     }
 
-    /// The variant used on `arch` for `dtype` and tile width `d` (one of [`HEAD_DIMS`]): the
-    /// Hopper kernel where the target has warpgroup MMAs ([`Variant::hopper_for`]), else
-    /// [`Variant::default_for`].
+    /// The variant used on `arch` for `dtype` and tile width `d` (one of [`HEAD_DIMS`], or on
+    /// sm_90a of [`HOPPER_HEAD_DIMS`]: [`tile_width`]): the Hopper kernel where the target has
+    /// warpgroup MMAs ([`Variant::hopper_for`]), else [`Variant::default_for`].
     pub fn default_on(arch: &Arch, dtype: DType, d: usize) -> Option<Variant> {
         if arch.has_wgmma() {
             Variant::hopper_for(dtype, d)
@@ -237,15 +260,15 @@ impl Variant {
         }
     }
 
-    /// The Hopper (sm_90a) variant for `dtype` and tile width `d`, the fastest measured on an
-    /// H100 (docs/cuda-notes.md, Hopper v2): two warpgroups (128 query rows); 64 keys per tile at
-    /// d = 64 (122 registers: two blocks per multiprocessor) and d = 256 (O alone takes 128
-    /// registers a thread), 128 at d = 128.
+    /// The Hopper (sm_90a) variant for `dtype` and tile width `d` (one of [`HOPPER_HEAD_DIMS`]),
+    /// the fastest measured on an H100 (docs/cuda-notes.md, Hopper v2): two warpgroups (128 query
+    /// rows); 64 keys per tile at d = 64 (122 registers: two blocks per multiprocessor), 192 and
+    /// 256 (O alone takes 96 and 128 registers a thread), 128 at d = 96 and 128.
     pub fn hopper_for(dtype: DType, d: usize) -> Option<Variant> {
-        if dtype == DType::F32 || !HEAD_DIMS.contains(&d) {
+        if dtype == DType::F32 || !HOPPER_HEAD_DIMS.contains(&d) {
             return None;
         }
-        let bc = if d == 128 { 128 } else { 64 };
+        let bc = if d == 96 || d == 128 { 128 } else { 64 };
         Some(Variant { dtype, d, mt: 1, bc, warps: 8, extras: ExtraPaths::NONE, wgmma: true })
     }
 
@@ -297,6 +320,12 @@ impl Variant {
     pub fn all() -> Vec<Variant> {
         let mut v = Vec::new();
         for dtype in [DType::BF16, DType::F16] {
+            for d in [96, 192] {
+                if let Some(h) = Variant::hopper_for(dtype, d) {
+                    v.push(h);
+                    v.extend(ExtraPaths::gated().into_iter().filter_map(|x| Variant::hopper_extras_for(dtype, d, x)));
+                }
+            }
             for d in HEAD_DIMS {
                 // 32 rows per warp (mt 2) at d = 128 holds 128 f32 of O per thread and spills.
                 let shapes: &[(usize, usize, usize)] = match d {

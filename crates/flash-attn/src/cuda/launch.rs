@@ -8,7 +8,8 @@ use cudarc::driver::{
 
 use super::nvrtc::Arch;
 use super::{
-    driver_error, padded_head_dim, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut, ExtraPaths, Variant,
+    driver_error, padded_head_dim, tile_width, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut,
+    ExtraPaths, Variant,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -276,7 +277,10 @@ pub(crate) fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) ->
 
 /// The forward variant for this problem on `arch`, or why the CUDA forward cannot run it.
 pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<Variant> {
-    let width = check_supported(g, dtype, false)?;
+    check_supported(g, dtype, false)?;
+    // The Hopper kernels have tile widths between the mma.sync ones (96, 192).
+    let width = tile_width(g.d, false, arch.has_wgmma())
+        .ok_or_else(|| Error::Unsupported(format!("no forward tile width for d = {}", g.d)))?;
     let variant = Variant::extras_on(arch, dtype, width, needs_extras(g));
     variant.ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
 }

@@ -19,8 +19,9 @@
 //! ```
 //!
 //! Supported today, forward and backward: `f16`/`bf16`, `d == dv` a multiple of 8 up to 256
-//! (forward) or 128 (backward), run on kernels compiled for 64, 128 and 256 columns with the
-//! columns past `d` zero-filled on load and never stored ([`padded_head_dim`]), causal
+//! (forward) or 128 (backward), run on kernels compiled for 64, 128 and 256 columns (the Hopper
+//! forward also 96 and 192) with the columns past `d` zero-filled on load and never stored
+//! ([`padded_head_dim`], [`tile_width`]), causal
 //! (bottom-right and top-left), sliding windows, softcap, ALiBi, GQA/MQA (gradients summed into
 //! the `hk` heads on chip), fixed-length and varlen batches, dropout (the CPU's Philox keep mask,
 //! bit for bit), strided inputs whose strides are multiples of 8 elements; a deterministic
@@ -48,7 +49,9 @@ use crate::spec::{AttentionSpec, Geometry};
 use crate::tensor::{Tensor, TensorMut};
 use crate::{Gradients, Output};
 
-pub use kernels::{padded_head_dim, BwdVariant, ExtraPaths, Variant, BWD_HEAD_DIMS, HEAD_DIMS};
+pub use kernels::{
+    padded_head_dim, tile_width, BwdVariant, ExtraPaths, Variant, BWD_HEAD_DIMS, HEAD_DIMS, HOPPER_HEAD_DIMS,
+};
 pub use nvrtc::Arch;
 
 /// Whether a caller's kernel variant `(dtype, tile width, optional paths)` can run a problem that
@@ -336,11 +339,14 @@ impl Device {
         // variant if it asked for one that fits.
         let default = launch::supported(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
+        // The tile width this head dim runs on in the caller's kernel family (the Hopper forward
+        // has widths the mma.sync one lacks).
+        let width = tile_width(g.d, false, variant.wgmma).unwrap_or(default.d);
         check_fit(
             &variant.name(),
             (variant.runs_on(&self.arch), &self.arch),
             (variant.dtype, variant.d, variant.extras),
-            (T::DTYPE, default.d, default.extras),
+            (T::DTYPE, width, default.extras),
             g.d,
         )?;
         let f = self.function(&variant)?;

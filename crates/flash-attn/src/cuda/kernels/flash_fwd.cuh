@@ -226,8 +226,10 @@ struct FlashFwd {
         }
     }
 
-    // Writes this warp's normalised output rows to shared memory (swizzled, in the dtype), then
-    // the whole block copies the tile out with 16-byte stores; and the lse of each row.
+    // Writes this warp's normalised output rows to shared memory (swizzled, in the dtype, rows of
+    // W elements: D, or the Hopper kernel's D rounded up to whole 64-column blocks), then the whole
+    // block copies the tile out with 16-byte stores; and the lse of each row.
+    template <int W = D>
     static __device__ __forceinline__ void store(const FragC (&o)[MT][DT], const float (&lse)[MT][2], u32 sO,
                                                  u16* gO, long long o_row, float* gL, int rows_valid,
                                                  int cols_valid, int warp_row, int lane, int tid) {
@@ -240,20 +242,21 @@ struct FlashFwd {
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     u32 w = pack2<BF16>(o[mt][dt].x[2 * r], o[mt][dt].x[2 * r + 1]);
-                    u32 addr = sO + swizzled_offset<D>(row, dt) + 4 * t;
+                    u32 addr = sO + swizzled_offset<W>(row, dt) + 4 * t;
                     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(w));
                 }
                 if (t == 0 && row < rows_valid) gL[row] = lse[mt][r];
             }
         __syncthreads();
         constexpr int CHUNKS = BR * D / 8;
+        static_assert(CHUNKS % THREADS == 0, "the copy-out covers every chunk");
 #pragma unroll
         for (int it = 0; it < CHUNKS / THREADS; ++it) {
             int c = it * THREADS + tid;
             int row = c / (D / 8), ch = c % (D / 8);
             if (row < rows_valid && 8 * ch < cols_valid) {
                 uint4 w;
-                u32 addr = sO + swizzled_offset<D>(row, ch);
+                u32 addr = sO + swizzled_offset<W>(row, ch);
                 asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                              : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
                              : "r"(addr));
@@ -401,9 +404,18 @@ struct FlashFwdSm90 {
     static constexpr int THREADS = WARPS * 32;
     static constexpr int NT = BC / 8;
     static constexpr int DT = D / 8;
-    static constexpr int Q_BYTES = BR * D * 2;
-    static constexpr int KV_BYTES = BC * D * 2;
+    // Tiles are whole 64-column blocks: a 96 tile takes two (its last 32 columns of each 128-byte
+    // row never written nor read), a 192 tile three.
+    static constexpr int DP = (D + 63) / 64 * 64;
+    static constexpr int Q_BYTES = BR * DP * 2;
+    static constexpr int KV_BYTES = BC * DP * 2;
     static constexpr int SMEM_BYTES = Q_BYTES + 4 * KV_BYTES;  // Q, two K and two V buffers
+    // O += P V as one wgmma per 16 keys at the power-of-two widths; at 96 and 192 as two, N_HEAD
+    // columns over whole blocks and the N_TAIL after them from the next block's start, so that
+    // every B descriptor starts on a block as at the other widths.
+    static constexpr int N_HEAD = D == 96 ? 64 : D == 192 ? 128 : D;
+    static constexpr int N_TAIL = D - N_HEAD;
+    static_assert(N_HEAD % 64 == 0 || N_HEAD == D, "the first part over whole blocks");
     // S of the next tile and P·V of the previous one in flight together (and the softmax under
     // P·V) needs the score, probability and output registers at once. With optional paths that
     // spills except with one path at d = 64 and dropout or softcap alone at d = 128 (ptxas,
@@ -434,7 +446,13 @@ struct FlashFwdSm90 {
         fence_operands(o[0]);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<D>(o[0], pa[kk], gmma_desc(sV + (u32)(kk * 16 * 128), BC * 128, 1024));
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            const u32 rows = sV + (u32)(kk * 16 * 128);
+            wgmma_rs<N_HEAD>(*reinterpret_cast<FragC(*)[N_HEAD / 8]>(&o[0][0]), pa[kk], gmma_desc(rows, BC * 128, 1024));
+            if constexpr (N_TAIL > 0)
+                wgmma_rs<N_TAIL>(*reinterpret_cast<FragC(*)[N_TAIL / 8]>(&o[0][N_HEAD / 8]), pa[kk],
+                                 gmma_desc(rows + (u32)(N_HEAD / 64 * BC * 128), BC * 128, 1024));
+        }
         wgmma_commit();
     }
 
@@ -645,7 +663,7 @@ struct FlashFwdSm90 {
         float lse[1][2];
         softmax.finish(o, lse, FA_DROPOUT && p.dropout.enabled ? p.dropout.scale : 1.f);
         __syncthreads();  // the Q tile's memory is reused for the output
-        Base::store(o, lse, sQ, gO, p.o_row, gL, rows_valid, p.d, warp_row, lane, tid);
+        Base::template store<DP>(o, lse, sQ, gO, p.o_row, gL, rows_valid, p.d, warp_row, lane, tid);
     }
 };
 #endif  // FA_WGMMA

@@ -71,16 +71,22 @@ template <int ROWS, int D, int THREADS, bool GMMA = false>
 __device__ __forceinline__ void load_tile_async(u32 tile, const u16* g, long long row_stride, int rows_valid,
                                                 int cols_valid, int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
-    static_assert(THREADS % CHUNKS_PER_ROW == 0, "a pass must cover whole rows");
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-    static_assert(ROWS % ROWS_PER_PASS == 0, "tile must split evenly over the threads");
+    // Rows one pass of the threads covers: THREADS / CHUNKS_PER_ROW where that divides; else (the
+    // Hopper widths 96 and 192: 12 and 24 chunks a row) the largest multiple of 8 rows that fits,
+    // and the threads past them copy nothing.
+    constexpr int ROWS_PER_PASS =
+        THREADS % CHUNKS_PER_ROW == 0 ? THREADS / CHUNKS_PER_ROW : THREADS / CHUNKS_PER_ROW / 8 * 8;
+    static_assert(ROWS_PER_PASS > 0 && ROWS % ROWS_PER_PASS == 0, "tile must split evenly over the threads");
     static_assert(ROWS_PER_PASS % 8 == 0, "every pass must keep the swizzle phase (row & 7)");
+    if (THREADS % CHUNKS_PER_ROW != 0 && tid >= ROWS_PER_PASS * CHUNKS_PER_ROW) return;
     // Bytes between rows of one chunk column: a whole row, or one 128-byte row of a column block.
     constexpr int ROW_BYTES = GMMA ? 128 : D * 2;
     const int r0 = tid / CHUNKS_PER_ROW, ch = tid % CHUNKS_PER_ROW;
     const u16* src = g + r0 * row_stride + ch * 8;
     const long long step = ROWS_PER_PASS * row_stride;
-    const u32 dst = tile + (GMMA ? gmma_offset<ROWS>(r0, ch) : swizzled_offset<D>(r0, ch));
+    u32 dst = tile;
+    if constexpr (GMMA) dst += gmma_offset<ROWS>(r0, ch);
+    else dst += swizzled_offset<D>(r0, ch);
     const bool col_ok = 8 * ch < cols_valid;
 #pragma unroll
     for (int it = 0; it < ROWS / ROWS_PER_PASS; ++it) {
