@@ -89,6 +89,19 @@ proptest! {
         meets_contract(ISA, &case, tiles)?;
     }
 
+    /// Few query rows over thousands of keys: the forward splits the keys into ranges of whole key
+    /// tiles, each its own work unit, and merges them by their log-sum-exp.
+    #[test]
+    fn few_queries_over_many_keys_meet_the_contract(
+        case in common::cases_with(8, common::head_dims(40), common::heads()),
+        lens in prop::collection::vec((1usize..=64, 2048usize..=5000), 1..=2),
+        tiles in prop::option::of(explicit_tiles()),
+    ) {
+        let seqlens = if case.varlen { lens } else { vec![lens[0]; lens.len()] };
+        let case = Case { seqlens, ..case };
+        meets_contract(ISA, &case, tiles)?;
+    }
+
     /// Decoding (one query against a long cache) and its mirror image (one key).
     #[test]
     fn single_query_and_single_key_problems_meet_the_contract(

@@ -125,6 +125,16 @@ fn gqa_cases() -> impl Strategy<Value = Case> {
     common::cases_with(64, common::head_dims(40), grouped_heads())
 }
 
+/// Few query rows over thousands of keys: the forward runs split over the keys (the splits merged
+/// by their log-sum-exp), fixed-length or packed, with every option the other cases draw.
+fn key_split_cases(heads: impl Strategy<Value = (usize, usize)>) -> impl Strategy<Value = Case> {
+    let lens = prop::collection::vec((1usize..=64, 2048usize..=4300), 1..=2);
+    (common::cases_with(8, common::head_dims(24), heads), lens, any::<bool>()).prop_map(|(case, lens, varlen)| {
+        let seqlens = if varlen { lens } else { vec![lens[0]; lens.len()] };
+        Case { seqlens, varlen, ..case }
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // Memory layout
 // ---------------------------------------------------------------------------------------------
@@ -247,6 +257,17 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(config(16))]
+
+    /// With the keys split (few query rows, thousands of keys), as without.
+    #[test]
+    fn key_split_heads_equal_one_head_problems(case in key_split_cases(grouped_heads())) {
+        let Some(case) = common::on_isa(ISA, case) else { return Ok(()) };
+        with_dtype!(case.dtype, T => gqa_equals_one_head_at_a_time::<T>(&case, None))?;
+    }
+}
+
+proptest! {
     #![proptest_config(config(48))]
 
     #[test]
@@ -269,7 +290,7 @@ proptest! {
 
     /// The backend picks its query tile from the thread count; the bits must not move.
     #[test]
-    fn results_are_bitwise_identical_across_thread_counts(case in prop_oneof![scheduling_cases(), thread_sensitive_cases()]) {
+    fn results_are_bitwise_identical_across_thread_counts(case in prop_oneof![scheduling_cases(), thread_sensitive_cases(), key_split_cases(common::heads())]) {
         let Some(case) = common::on_isa(ISA, case) else { return Ok(()) };
         let one = run_with_threads(&case, 1);
         for threads in [2, 3] {
@@ -279,7 +300,7 @@ proptest! {
 
     #[test]
     fn query_tile_size_does_not_change_results(
-        case in scheduling_cases(),
+        case in prop_oneof![3 => scheduling_cases(), 1 => key_split_cases(common::heads())],
         bc in prop_oneof![1usize..=8, 9usize..=40],
         br in prop::collection::vec(1usize..=70, 2),
     ) {

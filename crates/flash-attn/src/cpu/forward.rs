@@ -1,6 +1,7 @@
 //! The forward loop over one query tile: Algorithm 1 with FlashAttention-2's loop order (the
 //! query tile stays put, key/value tiles stream past it).
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use super::blocking::Tiles;
@@ -61,9 +62,15 @@ struct TileCache<E> {
 }
 
 impl<E: Copy + Default> TileCache<E> {
-    /// Room for the first `slots` key tiles of `slot_len` elements each.
-    fn new(slots: usize, slot_len: usize) -> Self {
-        Self { data: vec![E::default(); slots * slot_len], slot_len, filled: vec![false; slots] }
+    /// Room for the first `slots` key tiles of `slot_len` elements each, in `old`'s memory where
+    /// there is one (zeroed, as a fresh allocation).
+    fn new_in(old: Option<Self>, slots: usize, slot_len: usize) -> Self {
+        let (data, filled) = old.map_or((Vec::new(), Vec::new()), |c| (c.data, c.filled));
+        Self { data: zeros(data, slots * slot_len), slot_len, filled: zeros(filled, slots) }
+    }
+
+    fn bytes(&self) -> usize {
+        self.data.capacity() * std::mem::size_of::<E>() + self.filled.capacity()
     }
 
     /// Whether key tile `tile` has a cache slot.
@@ -98,35 +105,123 @@ impl<E: Copy + Default> TileCache<E> {
     }
 }
 
-impl Scratch {
-    /// Scratch for tiles `t`; `pairs`: the products run on `bf16` pairs; `pack_v`: the `f32` path
-    /// packs `V` tiles (the `v_cache` field); `cache_budget`: bytes for each cache.
+/// `v` as `n` zeros (its memory reused, its contents those of a fresh `vec![0; n]`).
+fn zeros<E: Copy + Default>(mut v: Vec<E>, n: usize) -> Vec<E> {
+    v.clear();
+    v.resize(n, E::default());
+    v
+}
+
+/// Bytes of forward scratch a thread keeps between calls ([`Pooled`]): the two tile caches at
+/// their budget ([`super::blocking::KV_CACHE_BUDGET`] each) and the tiles.
+const KEPT_BYTES: usize = 16 << 20;
+
+thread_local! {
+    /// This thread's forward scratch from its last call, for the next one.
+    static KEPT: RefCell<Option<Scratch>> = const { RefCell::new(None) };
+}
+
+/// A thread's forward scratch for one call: built in the memory of the scratch the thread kept
+/// from its last call (zeroed, so the same contents as freshly allocated), and kept again when the
+/// call's work on the thread ends (up to [`KEPT_BYTES`]). Allocating the key/value tile caches
+/// afresh on every call (up to 4 MiB each per thread) faulted their pages in again on every call:
+/// about 2 000 page faults a call in `f32` at 8 heads × 16 rows × 4096 keys, d 128, 2 threads.
+pub(super) struct Pooled(Option<Scratch>);
+
+impl Pooled {
+    /// The scratch of [`Scratch::new_in`], in this thread's kept memory.
     pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool, pack_v: bool, cache_budget: usize) -> Self {
-        let f32_tile = |n: usize| if pairs { Vec::new() } else { vec![0.0; n] };
+        let old = KEPT.try_with(|k| k.borrow_mut().take()).ok().flatten();
+        Pooled(Some(Scratch::new_in(old, g, t, pairs, pack_v, cache_budget)))
+    }
+
+    pub(super) fn get(&mut self) -> &mut Scratch {
+        // `Some` from `new` until `drop`.
+        self.0.get_or_insert_with(Scratch::empty)
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(sc) = self.0.take().filter(|sc| sc.bytes() <= KEPT_BYTES) {
+            // A thread being torn down keeps nothing.
+            let _ = KEPT.try_with(|k| *k.borrow_mut() = Some(sc));
+        }
+    }
+}
+
+impl Scratch {
+    fn empty() -> Self {
+        Scratch {
+            q: Vec::new(),
+            k: Vec::new(),
+            kt: Vec::new(),
+            v: Vec::new(),
+            s: Vec::new(),
+            o: Vec::new(),
+            softmax: OnlineSoftmax::default(),
+            kt_cache: TileCache::new_in(None, 0, 0),
+            v_cache: TileCache::new_in(None, 0, 0),
+            pairs: None,
+        }
+    }
+
+    /// Scratch for tiles `t`, in `old`'s memory where there is one; `pairs`: the products run on
+    /// `bf16` pairs; `pack_v`: the `f32` path packs `V` tiles (the `v_cache` field);
+    /// `cache_budget`: bytes for each cache. Every buffer starts zeroed, reused or not.
+    pub(super) fn new_in(
+        old: Option<Scratch>,
+        g: &Geometry<'_>,
+        t: Tiles,
+        pairs: bool,
+        pack_v: bool,
+        cache_budget: usize,
+    ) -> Self {
+        let old = old.unwrap_or_else(Scratch::empty);
+        // The caches of the other kind of products are let go, not kept empty.
+        let (old_kt_cache, old_v_cache) = if pairs { (None, None) } else { (Some(old.kt_cache), Some(old.v_cache)) };
+        let old_pairs = if pairs { old.pairs } else { None };
+        let f32_tile = |v: Vec<f32>, n: usize| zeros(v, if pairs { 0 } else { n });
         let key_tiles = g.max_sk.div_ceil(t.bc);
         let (kt_len, v_len) = (g.d.div_ceil(2) * t.bc, t.bc.div_ceil(2) * g.dv);
         let pair_slots = key_tiles.min(cache_budget / (4 * (kt_len + v_len)).max(1));
         let f32_slots = |dim: usize| if pairs { 0 } else { key_tiles.min(cache_budget / (4 * dim * t.bc).max(1)) };
+        let (pq, pkt, pv, pp, pkc, pvc) = match old_pairs {
+            Some(p) => (p.q, p.kt, p.v, p.p, Some(p.kt_cache), Some(p.v_cache)),
+            None => (Vec::new(), Vec::new(), Vec::new(), Vec::new(), None, None),
+        };
         Self {
             // Sized on first use: `k` and `v` stay empty for `f32` rows read in place (`rows_f32`).
-            q: Vec::new(),
-            k: Vec::new(),
-            kt: f32_tile(g.d * t.bc),
-            v: Vec::new(),
-            s: vec![0.0; t.br * t.bc],
-            o: vec![0.0; t.br * g.dv],
+            q: zeros(old.q, 0),
+            k: zeros(old.k, 0),
+            kt: f32_tile(old.kt, g.d * t.bc),
+            v: zeros(old.v, 0),
+            s: zeros(old.s, t.br * t.bc),
+            o: zeros(old.o, t.br * g.dv),
             softmax: OnlineSoftmax::default(),
-            kt_cache: TileCache::new(f32_slots(g.d), g.d * t.bc),
-            v_cache: TileCache::new(if pack_v { f32_slots(g.dv) } else { 0 }, t.bc * g.dv),
+            kt_cache: TileCache::new_in(old_kt_cache, f32_slots(g.d), g.d * t.bc),
+            v_cache: TileCache::new_in(old_v_cache, if pack_v { f32_slots(g.dv) } else { 0 }, t.bc * g.dv),
             pairs: pairs.then(|| PairTiles {
-                q: vec![0; t.br * g.d.div_ceil(2)],
-                kt: vec![0; kt_len],
-                v: vec![0; v_len],
-                p: vec![0; t.br * t.bc.div_ceil(2)],
-                kt_cache: TileCache::new(pair_slots, kt_len),
-                v_cache: TileCache::new(pair_slots, v_len),
+                q: zeros(pq, t.br * g.d.div_ceil(2)),
+                kt: zeros(pkt, kt_len),
+                v: zeros(pv, v_len),
+                p: zeros(pp, t.br * t.bc.div_ceil(2)),
+                kt_cache: TileCache::new_in(pkc, pair_slots, kt_len),
+                v_cache: TileCache::new_in(pvc, pair_slots, v_len),
             }),
         }
+    }
+
+    /// Bytes this scratch holds.
+    fn bytes(&self) -> usize {
+        let f = |v: &Vec<f32>| 4 * v.capacity();
+        let w = |v: &Vec<Bf16Pair>| std::mem::size_of::<Bf16Pair>() * v.capacity();
+        let mut n = f(&self.q) + f(&self.k) + f(&self.kt) + f(&self.v) + f(&self.s) + f(&self.o);
+        n += self.kt_cache.bytes() + self.v_cache.bytes();
+        if let Some(p) = &self.pairs {
+            n += w(&p.q) + w(&p.kt) + w(&p.v) + w(&p.p) + p.kt_cache.bytes() + p.v_cache.bytes();
+        }
+        n
     }
 
     /// Starts a work unit: the cached key/value tiles belong to the previous one.
@@ -166,25 +261,48 @@ pub(super) struct Context<'a, T> {
     pub bf16: Option<Bf16Inputs<'a>>,
     /// The instruction-set path every kernel of the call runs on (resolved once, at the top).
     pub isa: Isa,
+    /// The key splits of the sequences that have them, and their partial results.
+    pub partials: &'a Partials,
+}
+
+/// Key ranges of the sequences whose forward runs split over the keys
+/// ([`super::key_splits`]), and where the splits' partial results go: row `(head, i)` of split
+/// `s` of a sequence is partial row `first + (head · sq + i) · splits + s`, `dv` floats of its
+/// normalised output in `o` and its log-sum-exp in `lse`. The splits merge by their log-sum-exp,
+/// in split order, once every split is done ([`super::merge_splits`]).
+pub(super) struct Partials {
+    /// Per sequence: its key ranges (empty: not split) and its first partial row.
+    pub seqs: Vec<(Vec<Range<usize>>, usize)>,
+    pub o: Sink<f32>,
+    pub lse: Sink<f32>,
 }
 
 impl<T: Element> Context<'_, T> {
     /// One work unit: query tiles `tiles` of every query head that reads kv head `kv_head` of
-    /// sequence `seq`, sharing the packed key/value tiles.
-    pub(super) fn unit(&self, sc: &mut Scratch, seq: usize, kv_head: usize, tiles: Range<usize>) {
+    /// sequence `seq` (over its key split `split`, if it has splits), sharing the packed key/value
+    /// tiles.
+    pub(super) fn unit(&self, sc: &mut Scratch, seq: usize, kv_head: usize, tiles: Range<usize>, split: Option<usize>) {
         sc.clear_cache();
         let group = self.g.hq / self.g.hk;
         for tile in tiles {
             for head in kv_head * group..(kv_head + 1) * group {
-                self.query_tile(sc, seq, head, tile);
+                self.query_tile(sc, seq, head, tile, split);
             }
         }
     }
 
-    /// Computes rows `tile·Br ..` of query head `head` of sequence `seq` and writes them out.
-    pub(super) fn query_tile(&self, sc: &mut Scratch, seq: usize, head: usize, tile: usize) {
+    /// Computes rows `tile·Br ..` of query head `head` of sequence `seq` and writes them out; with
+    /// `split`, over that key split only, into its partial rows.
+    pub(super) fn query_tile(
+        &self,
+        sc: &mut Scratch,
+        seq_index: usize,
+        head: usize,
+        tile: usize,
+        split: Option<usize>,
+    ) {
         let g = self.g;
-        let seq = &g.seqs[seq];
+        let seq = &g.seqs[seq_index];
         let Tiles { br, bc } = self.tiles;
         let (d, dv) = (g.d, g.dv);
         let r0 = tile * br;
@@ -213,7 +331,12 @@ impl<T: Element> Context<'_, T> {
         // Loop over the key/value tiles this query tile can see (line 5, FA2 order). Tiles are
         // aligned to multiples of Bc, so a row's result does not depend on which rows share its
         // query tile (hence not on Br, nor on the thread count).
-        let keys = vis.key_range(rows.clone());
+        let mut keys = vis.key_range(rows.clone());
+        if let Some(sp) = split {
+            // Split ranges start and end on key-tile boundaries: the same tiles as unsplit.
+            let range = &self.partials.seqs[seq_index].0[sp];
+            keys = keys.start.max(range.start)..keys.end.min(range.end);
+        }
         let mut c0 = keys.start / bc * bc;
         while c0 < keys.end {
             let cols = c0..(c0 + bc).min(keys.end);
@@ -332,10 +455,21 @@ impl<T: Element> Context<'_, T> {
 
         // One final normalisation (FA2), then write O_i and L_i (lines 12-13).
         for (r, i) in rows.enumerate() {
-            let dst = self.out_layout.row(seq, seq.q_start, i, head);
             let (inv, lse) = sc.softmax.finish(r).unwrap_or((0.0, f32::NEG_INFINITY));
             let o = &mut sc.o[r * dv..(r + 1) * dv];
             o.iter_mut().for_each(|x| *x *= inv);
+            if let Some(sp) = split {
+                let (ranges, first) = &self.partials.seqs[seq_index];
+                let at = first + (head * seq.sq + i) * ranges.len() + sp;
+                // SAFETY: partial row (sequence, head, i, split) belongs to this work item alone;
+                // `merge_splits` sized the buffers for every split sequence's rows.
+                unsafe {
+                    self.partials.o.slice_mut(at * dv, dv).copy_from_slice(o);
+                    self.partials.lse.write(at, lse);
+                }
+                continue;
+            }
+            let dst = self.out_layout.row(seq, seq.q_start, i, head);
             // SAFETY: row (seq, head, i) is owned by this work item alone; its `dv` elements are
             // contiguous (unit last stride) inside the validated, non-overlapping `out` view.
             T::narrow_slice(o, unsafe { self.out.slice_mut(dst, dv) });

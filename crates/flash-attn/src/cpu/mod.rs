@@ -28,6 +28,7 @@ mod neon;
 
 pub use isa::Isa;
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
@@ -103,21 +104,29 @@ fn for_each_dynamic<I: Sync, S>(items: &[I], init: impl Fn() -> S + Sync, work: 
 }
 
 /// One unit of forward work: query tiles `tiles` of every query head that reads kv head
-/// `kv_head` of sequence `seq`. The heads and tiles of a unit share its packed key/value tiles.
+/// `kv_head` of sequence `seq` (over key split `split` where the sequence is split). The heads
+/// and tiles of a unit share its packed key/value tiles.
 #[derive(Debug, Clone)]
 struct ForwardUnit {
     seq: usize,
     kv_head: usize,
     tiles: std::ops::Range<usize>,
+    split: Option<usize>,
     /// Visible (query, key) pairs by the interval rules: the unit's cost, for the schedule.
     cost: usize,
 }
 
 /// The forward pass's work units, costliest first. A (sequence, kv head) is one unit unless
 /// there are too few of them to keep `threads` busy; then its query tiles are split into runs.
+/// A sequence with key splits (`splits[seq]` not empty) has a unit per split as well.
 /// Costliest first (causal: the units with the late query tiles) so the last units to finish
 /// are short ones.
-fn forward_units(g: &Geometry<'_>, br: usize, threads: usize) -> Vec<ForwardUnit> {
+fn forward_units(
+    g: &Geometry<'_>,
+    br: usize,
+    threads: usize,
+    splits: &[(Vec<Range<usize>>, usize)],
+) -> Vec<ForwardUnit> {
     let groups = g.seqs.iter().filter(|seq| seq.sq > 0).count() * g.hk;
     let parts_wanted = (4 * threads).div_ceil(groups.max(1));
     let group = g.hq / g.hk;
@@ -125,24 +134,117 @@ fn forward_units(g: &Geometry<'_>, br: usize, threads: usize) -> Vec<ForwardUnit
     for (s, seq) in g.seqs.iter().enumerate().filter(|(_, seq)| seq.sq > 0) {
         let n_tiles = seq.sq.div_ceil(br);
         let per_part = n_tiles.div_ceil(parts_wanted.clamp(1, n_tiles));
+        let ranges = &splits[s].0;
+        let parts: Vec<(Option<usize>, Range<usize>)> = if ranges.is_empty() {
+            vec![(None, 0..usize::MAX)]
+        } else {
+            ranges.iter().cloned().enumerate().map(|(i, r)| (Some(i), r)).collect()
+        };
         for kv_head in 0..g.hk {
             let vis = g.visibility(seq, kv_head * group);
             for t0 in (0..n_tiles).step_by(per_part) {
                 let tiles = t0..(t0 + per_part).min(n_tiles);
-                let cost = tiles
-                    .clone()
-                    .map(|t| {
-                        let rows = t * br..((t + 1) * br).min(seq.sq);
-                        rows.len() * vis.key_range(rows).len()
-                    })
-                    .sum::<usize>()
-                    * group;
-                units.push(ForwardUnit { seq: s, kv_head, tiles, cost });
+                for (split, keys) in &parts {
+                    let cost = tiles
+                        .clone()
+                        .map(|t| {
+                            let rows = t * br..((t + 1) * br).min(seq.sq);
+                            let seen = vis.key_range(rows.clone());
+                            rows.len() * (seen.start.max(keys.start)..seen.end.min(keys.end)).len()
+                        })
+                        .sum::<usize>()
+                        * group;
+                    units.push(ForwardUnit { seq: s, kv_head, tiles: tiles.clone(), split: *split, cost });
+                }
             }
         }
     }
     units.sort_by_key(|u| std::cmp::Reverse(u.cost));
     units
+}
+
+/// Most query rows a sequence may have for its forward to be split over its keys (taller
+/// sequences share their threads by query tiles).
+const SPLIT_MAX_ROWS: usize = 64;
+/// Fewest keys a key split takes.
+const SPLIT_KEYS: usize = 1024;
+/// Most key splits of a sequence.
+const MAX_SPLITS: usize = 16;
+
+/// The key ranges a sequence's forward is split into (Flash-Decoding on the plain forward), or
+/// none: a sequence of at most [`SPLIT_MAX_ROWS`] query rows gives its threads too few query tiles
+/// to share, so its visible keys are cut into up to [`MAX_SPLITS`] ranges of at least
+/// [`SPLIT_KEYS`] keys, whole key tiles of `bc` each; each range is its own work unit, and the
+/// ranges' partial results merge by their log-sum-exp in range order ([`merge_splits`]). The
+/// ranges depend on the sequence's lengths, mask rule and `bc` only (not on the heads, the batch,
+/// the query tile height or the thread count), so every bitwise invariance of the forward holds.
+fn key_splits(g: &Geometry<'_>, seq: &crate::spec::Sequence, bc: usize) -> Vec<Range<usize>> {
+    if seq.sq == 0 || seq.sq > SPLIT_MAX_ROWS || bc == 0 {
+        return Vec::new();
+    }
+    let keys = g.visibility(seq, 0).key_range(0..seq.sq);
+    let lo = keys.start / bc * bc;
+    let n = (keys.end.saturating_sub(lo) / SPLIT_KEYS).min(MAX_SPLITS);
+    if n < 2 {
+        return Vec::new();
+    }
+    let chunk = (keys.end - lo).div_ceil(n).div_ceil(bc) * bc;
+    let ranges: Vec<Range<usize>> =
+        (0..n).map(|s| lo + s * chunk..(lo + (s + 1) * chunk).min(keys.end)).filter(|r| !r.is_empty()).collect();
+    // Key tiles as wide as the keys leave one range: nothing to split.
+    if ranges.len() < 2 {
+        return Vec::new();
+    }
+    ranges
+}
+
+/// Merges the key splits' partial results of every split sequence into `out` and `lse`: per row,
+/// the splits' outputs weighted by `exp(lse_s - lse)`, in split order, with `lse` the log of the
+/// summed exponentials (a row no split sees: zeros and `-inf`, as unsplit).
+fn merge_splits<T: Element>(
+    g: &Geometry<'_>,
+    splits: &[(Vec<Range<usize>>, usize)],
+    part_o: &[f32],
+    part_lse: &[f32],
+    out: &Sink<T>,
+    out_layout: RowLayout,
+    lse: &Sink<f32>,
+) {
+    let dv = g.dv;
+    let jobs: Vec<(usize, usize)> =
+        (0..g.seqs.len()).filter(|&s| !splits[s].0.is_empty()).flat_map(|s| (0..g.hq).map(move |h| (s, h))).collect();
+    jobs.par_iter().for_each(|&(s, head)| {
+        let seq = &g.seqs[s];
+        let (ranges, first) = &splits[s];
+        let n = ranges.len();
+        let mut o = vec![0f32; dv];
+        for i in 0..seq.sq {
+            let at = first + (head * seq.sq + i) * n;
+            let lses = &part_lse[at..at + n];
+            // NaN (from NaN inputs) propagates, as it does unsplit.
+            let top =
+                lses.iter().fold(f32::NEG_INFINITY, |m, &l| if m.is_nan() || l.is_nan() { f32::NAN } else { m.max(l) });
+            o.fill(0.0);
+            let row_lse = if top == f32::NEG_INFINITY {
+                f32::NEG_INFINITY
+            } else {
+                let sum: f32 = lses.iter().map(|&l| (l - top).exp()).sum();
+                for (sp, &l) in lses.iter().enumerate() {
+                    let w = (l - top).exp() / sum;
+                    let part = &part_o[(at + sp) * dv..(at + sp + 1) * dv];
+                    o.iter_mut().zip(part).for_each(|(x, &p)| *x += w * p);
+                }
+                top + sum.ln()
+            };
+            let dst = out_layout.row(seq, seq.q_start, i, head);
+            // SAFETY: row (sequence, head, i) is written by this job alone (jobs are distinct
+            // (sequence, head) pairs of split sequences, whose rows no forward unit wrote); its
+            // `dv` elements are contiguous inside the validated `out` view.
+            T::narrow_slice(&o, unsafe { out.slice_mut(dst, dv) });
+            // SAFETY: as above, for the lse entry of (sequence, head, i).
+            unsafe { lse.write(g.lse_index(seq, head, i), row_lse) };
+        }
+    });
 }
 
 pub use blocking::Tiles;
@@ -205,7 +307,22 @@ fn forward_with_cache_budget<T: Element>(
     let out_layout: RowLayout = g.check_out(out, lse)?;
     let isa = Isa::resolve(g.cpu_isa)?;
 
-    let units = forward_units(g, tiles.br, rayon::current_num_threads());
+    // Short query sequences over many keys run split over their keys (partial rows: heads ×
+    // rows × splits of each split sequence).
+    let mut partial_rows = 0;
+    let splits: Vec<(Vec<Range<usize>>, usize)> = g
+        .seqs
+        .iter()
+        .map(|seq| {
+            let ranges = key_splits(g, seq, tiles.bc);
+            let first = partial_rows;
+            partial_rows += g.hq * seq.sq * ranges.len();
+            (ranges, first)
+        })
+        .collect();
+    let mut part_o = try_vec("forward key-split outputs", partial_rows * g.dv, 0f32)?;
+    let mut part_lse = try_vec("forward key-split lse", partial_rows, f32::NEG_INFINITY)?;
+    let units = forward_units(g, tiles.br, rayon::current_num_threads(), &splits);
 
     fill_uncovered_rows(g, out, out_layout, lse);
     let out_sink = Sink::new(out.data_mut());
@@ -215,6 +332,7 @@ fn forward_with_cache_budget<T: Element>(
         (Some(q), Some(k), Some(v)) if v_finite && isa.bf16_pairs() => Some(forward::Bf16Inputs { q, k, v }),
         _ => None,
     };
+    let partials = forward::Partials { seqs: splits, o: Sink::new(&mut part_o), lse: Sink::new(&mut part_lse) };
     let ctx = forward::Context {
         g,
         q: q.data(),
@@ -227,14 +345,17 @@ fn forward_with_cache_budget<T: Element>(
         v_finite,
         bf16,
         isa,
+        partials: &partials,
     };
     // V is packed once per unit unless its rows can be read in place as they are (f32, contiguous).
     let pack_v = T::as_f32(v.data()).is_none() || g.v.token_stride != g.dv;
     for_each_dynamic(
         &units,
-        || forward::Scratch::new(g, tiles, bf16.is_some(), pack_v, cache_budget),
-        |scratch, u| ctx.unit(scratch, u.seq, u.kv_head, u.tiles.clone()),
+        || forward::Pooled::new(g, tiles, bf16.is_some(), pack_v, cache_budget),
+        |scratch, u| ctx.unit(scratch.get(), u.seq, u.kv_head, u.tiles.clone(), u.split),
     );
+    let forward::Partials { seqs: splits, .. } = partials;
+    merge_splits(g, &splits, &part_o, &part_lse, &out_sink, out_layout, &lse_sink);
     Ok(())
 }
 
