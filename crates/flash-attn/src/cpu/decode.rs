@@ -17,7 +17,7 @@ use std::ops::Range;
 
 use super::gemm::{gemm, gemm_acc_skipping_zeros};
 use super::isa::Isa;
-use super::softmax::OnlineSoftmax;
+use super::softmax::{merge_row, OnlineSoftmax};
 use super::transpose::transpose;
 use super::{for_each_dynamic, Sink};
 use crate::dtype::Element;
@@ -559,28 +559,8 @@ fn merge<T: Element>(
                 let (i, h) = (r / group, kv * group + r % group);
                 let idx = |s: usize| ((b * p.hk + kv) * splits + s) * m + r;
                 let ls = (0..splits).map(|s| part_lse[idx(s)]);
-                let max = ls.clone().fold(f32::NEG_INFINITY, f32::max);
-                let total;
-                if ls.clone().any(|x| x.is_nan()) {
-                    acc.fill(f32::NAN);
-                    total = f32::NAN;
-                } else if max == f32::NEG_INFINITY {
-                    acc.fill(0.0);
-                    total = f32::NEG_INFINITY;
-                } else {
-                    ws.iter_mut().zip(ls).for_each(|(w, l)| *w = (l - max).exp());
-                    let sum: f32 = ws.iter().sum();
-                    acc.fill(0.0);
-                    for (s, &w) in ws.iter().enumerate() {
-                        if w == 0.0 {
-                            continue;
-                        }
-                        let w = w / sum;
-                        let o = &part_o[idx(s) * p.dv..(idx(s) + 1) * p.dv];
-                        acc.iter_mut().zip(o).for_each(|(a, &x)| *a += w * x);
-                    }
-                    total = max + sum.ln();
-                }
+                let part = |s: usize| &part_o[idx(s) * p.dv..(idx(s) + 1) * p.dv];
+                let total = merge_row(ls, part, &mut ws, &mut acc);
                 let at = b * p.out.batch_stride + i * p.out.token_stride + h * p.out.head_stride;
                 T::narrow_slice(&acc, &mut out[at..at + p.dv]);
                 lse[(b * p.hq + h) * p.sq + i] = total;

@@ -198,9 +198,8 @@ fn key_splits(g: &Geometry<'_>, seq: &crate::spec::Sequence, bc: usize) -> Vec<R
     ranges
 }
 
-/// Merges the key splits' partial results of every split sequence into `out` and `lse`: per row,
-/// the splits' outputs weighted by `exp(lse_s - lse)`, in split order, with `lse` the log of the
-/// summed exponentials (a row no split sees: zeros and `-inf`, as unsplit).
+/// Merges the key splits' partial results of every split sequence into `out` and `lse`, row by
+/// row as the KV-cache decode merges its splits ([`softmax::merge_row`]).
 fn merge_splits<T: Element>(
     g: &Geometry<'_>,
     splits: &[(Vec<Range<usize>>, usize)],
@@ -217,25 +216,11 @@ fn merge_splits<T: Element>(
         let seq = &g.seqs[s];
         let (ranges, first) = &splits[s];
         let n = ranges.len();
-        let mut o = vec![0f32; dv];
+        let (mut o, mut ws) = (vec![0f32; dv], vec![0f32; n]);
         for i in 0..seq.sq {
             let at = first + (head * seq.sq + i) * n;
-            let lses = &part_lse[at..at + n];
-            // NaN (from NaN inputs) propagates, as it does unsplit.
-            let top =
-                lses.iter().fold(f32::NEG_INFINITY, |m, &l| if m.is_nan() || l.is_nan() { f32::NAN } else { m.max(l) });
-            o.fill(0.0);
-            let row_lse = if top == f32::NEG_INFINITY {
-                f32::NEG_INFINITY
-            } else {
-                let sum: f32 = lses.iter().map(|&l| (l - top).exp()).sum();
-                for (sp, &l) in lses.iter().enumerate() {
-                    let w = (l - top).exp() / sum;
-                    let part = &part_o[(at + sp) * dv..(at + sp + 1) * dv];
-                    o.iter_mut().zip(part).for_each(|(x, &p)| *x += w * p);
-                }
-                top + sum.ln()
-            };
+            let part = |sp: usize| &part_o[(at + sp) * dv..(at + sp + 1) * dv];
+            let row_lse = softmax::merge_row(part_lse[at..at + n].iter().copied(), part, &mut ws, &mut o);
             let dst = out_layout.row(seq, seq.q_start, i, head);
             // SAFETY: row (sequence, head, i) is written by this job alone (jobs are distinct
             // (sequence, head) pairs of split sequences, whose rows no forward unit wrote); its

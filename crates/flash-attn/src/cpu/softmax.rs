@@ -89,6 +89,38 @@ impl OnlineSoftmax {
     }
 }
 
+/// One row of a split-KV merge (Flash-Decoding's second pass): the splits' normalised outputs
+/// (`part(s)`, `acc.len()` floats each) weighted by `exp(lse_s - lse)`, in split order, into
+/// `acc`; returns the row's `lse`, the log of the summed exponentials. A NaN `lse_s` makes the row
+/// NaN; a row no split sees gives zeros and `-inf`, as unsplit; splits of weight 0 are skipped
+/// (their outputs may hold what `0 · x` would turn into NaN). `ws`: scratch of one float per split.
+pub(super) fn merge_row<'a>(
+    lses: impl Iterator<Item = f32> + Clone,
+    part: impl Fn(usize) -> &'a [f32],
+    ws: &mut [f32],
+    acc: &mut [f32],
+) -> f32 {
+    if lses.clone().any(|x| x.is_nan()) {
+        acc.fill(f32::NAN);
+        return f32::NAN;
+    }
+    acc.fill(0.0);
+    let max = lses.clone().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return f32::NEG_INFINITY;
+    }
+    ws.iter_mut().zip(lses).for_each(|(w, l)| *w = (l - max).exp());
+    let sum: f32 = ws.iter().sum();
+    for (s, &w) in ws.iter().enumerate() {
+        if w == 0.0 {
+            continue;
+        }
+        let w = w / sum;
+        acc.iter_mut().zip(part(s)).for_each(|(a, &x)| *a += w * x);
+    }
+    max + sum.ln()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,5 +156,41 @@ mod tests {
         st.update(Isa::Portable, &mut s, 3, 3, &mut o, 2, 1.0, None);
         assert_eq!(s, [0.0; 3]);
         assert!(st.finish(0).is_none());
+    }
+
+    #[test]
+    fn merging_splits_equals_the_softmax_of_the_whole_row() {
+        // A row of 13 scores and 3-wide values cut into splits of 5, 0 and 8 keys.
+        let mut rng = crate::check::Rng::new(5);
+        let s: Vec<f32> = (0..13).map(|_| 4.0 * rng.normal() as f32).collect();
+        let v: Vec<f32> = (0..13 * 3).map(|_| rng.normal() as f32).collect();
+        let whole = |keys: std::ops::Range<usize>| -> (Vec<f32>, f32) {
+            if keys.is_empty() {
+                return (vec![0.0; 3], f32::NEG_INFINITY);
+            }
+            let m = keys.clone().map(|j| f64::from(s[j])).fold(f64::NEG_INFINITY, f64::max);
+            let l: f64 = keys.clone().map(|j| (f64::from(s[j]) - m).exp()).sum();
+            let o = (0..3)
+                .map(|c| {
+                    (keys.clone().map(|j| (f64::from(s[j]) - m).exp() * f64::from(v[j * 3 + c])).sum::<f64>() / l)
+                        as f32
+                })
+                .collect();
+            (o, (m + l.ln()) as f32)
+        };
+        let parts: Vec<(Vec<f32>, f32)> = [0..5, 5..5, 5..13].into_iter().map(whole).collect();
+        let (want, want_lse) = whole(0..13);
+        let (mut ws, mut acc) = (vec![0.0; 3], vec![0.0; 3]);
+        let lse = merge_row(parts.iter().map(|p| p.1), |i| &parts[i].0, &mut ws, &mut acc);
+        assert!((lse - want_lse).abs() <= 1e-5 * want_lse.abs().max(1.0), "{lse} vs {want_lse}");
+        for (a, b) in acc.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5, "{acc:?} vs {want:?}");
+        }
+        // No split sees a key: zeros and -inf; a NaN lse: a NaN row.
+        let none = [f32::NEG_INFINITY; 2];
+        assert_eq!(merge_row(none.into_iter(), |i| &parts[i].0, &mut ws, &mut acc), f32::NEG_INFINITY);
+        assert_eq!(acc, vec![0.0; 3]);
+        assert!(merge_row([0.5, f32::NAN].into_iter(), |i| &parts[i].0, &mut ws, &mut acc).is_nan());
+        assert!(acc.iter().all(|x| x.is_nan()));
     }
 }
