@@ -126,24 +126,24 @@ thread_local! {
 /// call's work on the thread ends (up to [`KEPT_BYTES`]). Allocating the key/value tile caches
 /// afresh on every call (up to 4 MiB each per thread) faulted their pages in again on every call:
 /// about 2 000 page faults a call in `f32` at 8 heads × 16 rows × 4096 keys, d 128, 2 threads.
-pub(super) struct Pooled(Option<Scratch>);
+pub(super) struct Pooled(Scratch);
 
 impl Pooled {
     /// The scratch of [`Scratch::new_in`], in this thread's kept memory.
     pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool, pack_v: bool, cache_budget: usize) -> Self {
         let old = KEPT.try_with(|k| k.borrow_mut().take()).ok().flatten();
-        Pooled(Some(Scratch::new_in(old, g, t, pairs, pack_v, cache_budget)))
+        Pooled(Scratch::new_in(old, g, t, pairs, pack_v, cache_budget))
     }
 
     pub(super) fn get(&mut self) -> &mut Scratch {
-        // `Some` from `new` until `drop`.
-        self.0.get_or_insert_with(Scratch::empty)
+        &mut self.0
     }
 }
 
 impl Drop for Pooled {
     fn drop(&mut self) {
-        if let Some(sc) = self.0.take().filter(|sc| sc.bytes() <= KEPT_BYTES) {
+        let sc = std::mem::replace(&mut self.0, Scratch::empty());
+        if sc.bytes() <= KEPT_BYTES {
             // A thread being torn down keeps nothing.
             let _ = KEPT.try_with(|k| *k.borrow_mut() = Some(sc));
         }
