@@ -40,7 +40,7 @@ pub struct Compiled {
     pub registers: Option<u32>,
     /// Bytes spilled to local memory, if ptxas reported them.
     pub spill_bytes: Option<u32>,
-    /// Spill bytes tolerated for this variant (0 but for the d = 128 backward).
+    /// Spill bytes tolerated for this variant (0 but for the mma.sync backward at d >= 128).
     pub spill_budget: u32,
     /// `None` when it compiled, else NVRTC's error (its log included).
     pub error: Option<String>,

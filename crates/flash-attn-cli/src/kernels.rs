@@ -14,7 +14,8 @@ use crate::{CliError, Result};
 pub struct KernelsArgs {
     /// Compile every kernel variant and print registers and spill bytes per variant; exit code 1
     /// if any variant fails to compile, leaves no ptxas report, or spills to local memory beyond
-    /// its budget (zero, but for the d = 128 backward variants: 80 bytes).
+    /// its budget (zero, but for the mma.sync backward variants at d >= 128: 80 bytes; 256 for
+    /// the d 256 one with every optional path).
     #[arg(long)]
     compile_all: bool,
 

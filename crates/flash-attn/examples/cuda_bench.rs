@@ -181,6 +181,9 @@ fn sanitize() -> Result<()> {
         // Head dims between the tile widths: zero-filled columns, stores cut at d.
         (40, Causal::None, false),
         (96, Causal::BottomRight, true),
+        // Past 128: the backward's split kernel (two warps to each 16 keys).
+        (160, Causal::BottomRight, true),
+        (256, Causal::None, false),
     ]
     .into_iter()
     .enumerate()

@@ -27,13 +27,11 @@ fn unsupported_options_are_typed_errors() {
     let t = Tensor::new(&y, &[2, 8, 2, 100]);
     let r = cuda::forward_host(&AttentionSpec::new(), &t, &t, &t);
     assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
-    // Wider than the widest tile: 256 for the forward, 128 for the backward.
+    // Wider than the widest tile, 256, forward and backward.
     let y = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 264];
     let t = Tensor::new(&y, &[2, 8, 2, 264]);
     let r = cuda::forward_host(&AttentionSpec::new(), &t, &t, &t);
     assert!(matches!(r, Err(Error::HeadDim { .. })), "{r:?}");
-    let y = vec![bf16::from_f32(0.5); 2 * 8 * 2 * 136];
-    let t = Tensor::new(&y, &[2, 8, 2, 136]);
     let lse = vec![0f32; 2 * 2 * 8];
     let r = cuda::backward_host(&AttentionSpec::new(), &t, &t, &t, &t, &lse, &t);
     assert!(matches!(r, Err(Error::HeadDim { .. })), "{r:?}");
@@ -42,7 +40,7 @@ fn unsupported_options_are_typed_errors() {
 #[test]
 fn head_dims_pad_to_the_compiled_tile_widths() {
     for (d, fwd, bwd) in
-        [(8, 64, Some(64)), (64, 64, Some(64)), (72, 128, Some(128)), (136, 256, None), (256, 256, None)]
+        [(8, 64, Some(64)), (64, 64, Some(64)), (72, 128, Some(128)), (136, 256, Some(256)), (256, 256, Some(256))]
     {
         assert_eq!(cuda::padded_head_dim(d, false), Some(fwd), "forward d = {d}");
         assert_eq!(cuda::padded_head_dim(d, true), bwd, "backward d = {d}");
@@ -113,12 +111,19 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
             }
         }
         for d in BWD_HEAD_DIMS {
+            // Past 128 the backward runs the split mma.sync kernel on Hopper too.
+            let hopper = d <= 128;
             let h = BwdVariant::default_on(&sm90a, dtype, d, ExtraPaths::NONE).expect("a backward variant");
-            assert!(h.wgmma && h.d == d && !h.extras.any());
-            assert!(!BwdVariant::default_on(&sm80, dtype, d, ExtraPaths::NONE).expect("a backward variant").wgmma);
+            assert!(h.wgmma == hopper && h.d == d && !h.extras.any());
+            assert_eq!(h.split(), if hopper { 1 } else { 2 }, "{}", h.name());
+            let a = BwdVariant::default_on(&sm80, dtype, d, ExtraPaths::NONE).expect("a backward variant");
+            assert!(!a.wgmma && a.d == d);
+            assert_eq!(a.split(), if d > 128 { 2 } else { 1 }, "{}", a.name());
+            // Keys per block: 16 per warp, or per pair of warps where they split the columns.
+            assert_eq!(a.block_keys() * a.split(), 16 * a.warps, "{}", a.name());
             for e in every_extra_set() {
                 let x = BwdVariant::default_on(&sm90a, dtype, d, e).expect("a backward variant");
-                assert!(x.wgmma && x.extras == e && x.d == d);
+                assert!(x.wgmma == hopper && x.extras == e && x.d == d);
                 let y = BwdVariant::default_on(&sm80, dtype, d, e).expect("a backward variant");
                 assert!(!y.wgmma && y.extras == e);
                 if ExtraPaths::gated().contains(&e) {
@@ -175,11 +180,9 @@ fn head_dims_between_the_tile_widths_meet_the_contract() {
             let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
             let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
             assert!(rep.passed(), "{c}: {rep}");
-            if d <= 128 {
-                match c.dtype {
-                    DType::F16 => backward_case::<half::f16>(&c, None, None, false),
-                    _ => backward_case::<bf16>(&c, None, None, false),
-                }
+            match c.dtype {
+                DType::F16 => backward_case::<half::f16>(&c, None, None, false),
+                _ => backward_case::<bf16>(&c, None, None, false),
             }
         }
     }
@@ -298,8 +301,8 @@ fn use_paths(c: &mut Case, extras: ExtraPaths, n: usize, rng: &mut Rng) {
 fn random_cuda_case(rng: &mut Rng) -> Case {
     let mut c = Case::random(rng);
     c.dtype = rng.pick(&[DType::BF16, DType::F16]);
-    // Half the cases at a compiled tile width, half any multiple of 8 the backward takes.
-    c.d = if rng.chance(0.5) { rng.pick(&[64, 128]) } else { 8 * rng.range(1, 16) };
+    // Half the cases at a compiled tile width, half any multiple of 8 the kernels take.
+    c.d = if rng.chance(0.5) { rng.pick(&[64, 128, 256]) } else { 8 * rng.range(1, 32) };
     c.dv = c.d;
     if let Storage::Strided { .. } = c.storage {
         c.storage = Storage::Strided { pad: 8 };

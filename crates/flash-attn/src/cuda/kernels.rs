@@ -134,9 +134,15 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// takes the memory of a 128 one; only the products shrink.
 pub const HOPPER_HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
 
-/// Tile widths the backward kernels are compiled for (a warp's dK and dV rows live in registers:
-/// 256 columns would not fit).
-pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Tile widths the backward kernels are compiled for. A warp's dK and dV rows live in registers;
+/// at 256 two warps share 16 keys, each holding half the columns ([`BwdVariant::split`]), and
+/// that width runs on the mma.sync kernel on every architecture (the Hopper kernel's warpgroup
+/// would need 256 accumulator registers a thread).
+pub const BWD_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Tile widths the Hopper backward kernel (sm_90a) is compiled for; wider tiles run the mma.sync
+/// kernel there.
+const HOPPER_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// The compiled tile width that runs head dim `d` (forward, or backward when `backward`) on the
 /// mma.sync kernels: the smallest of [`HEAD_DIMS`] (or [`BWD_HEAD_DIMS`]) that is at least `d`;
@@ -370,9 +376,20 @@ pub struct BwdVariant {
 }
 
 impl BwdVariant {
+    /// Warps that share each 16 keys (`SPLIT` in `flash_bwd.cuh`, which must agree): 2 on the
+    /// mma.sync kernel at tile widths past 128, where each warp holds half the columns of dK and
+    /// dV and computes Sᵀ and dPᵀ for half the queries; else 1.
+    pub fn split(&self) -> usize {
+        if !self.wgmma && self.d > 128 {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Keys per block (`Bc`).
     pub fn block_keys(&self) -> usize {
-        16 * self.warps
+        16 * self.warps / self.split()
     }
 
     /// Threads per block.
@@ -388,14 +405,19 @@ impl BwdVariant {
     }
 
     /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO, dSᵀ (two buffers in
-    /// the two-warpgroup Hopper kernel, whose dQ product runs under the next item's start), and
-    /// two buffers each of a tile's lse and D.
+    /// the two-warpgroup Hopper kernel, whose dQ product runs under the next item's start), Pᵀ
+    /// where warps share keys ([`BwdVariant::split`]), and two buffers each of a tile's lse and D.
     /// The Hopper kernel adds 1 KiB to align its tiles to the 128-byte swizzle's 1024-byte period.
     pub fn smem_bytes(&self) -> usize {
         let bc = self.block_keys();
         let align = if self.wgmma { 1024 } else { 0 };
         let ds_buffers = if self.defers_dq() { 2 } else { 1 };
-        2 * bc * self.d * 2 + 4 * self.br * self.d * 2 + ds_buffers * bc * self.br * 2 + 4 * self.br * 4 + align
+        let p_buffers = usize::from(self.split() > 1);
+        2 * bc * self.d * 2
+            + 4 * self.br * self.d * 2
+            + (ds_buffers + p_buffers) * bc * self.br * 2
+            + 4 * self.br * 4
+            + align
     }
 
     /// A name that says everything that changes the binary, e.g. `flash_bwd_bf16_d128_r64_w4`
@@ -417,8 +439,15 @@ impl BwdVariant {
     /// bounds, read once per query tile) in every arrangement tried (docs/cuda-notes.md, v3 and
     /// backward v3). The budget is there so that a change that spills more, or spills anywhere
     /// else, fails.
+    ///
+    /// The split kernel at d = 256 with all four optional paths on spills 132 B (sm_90a) to 216 B
+    /// (sm_80): next to dK and dV (128 registers) it holds Pᵀ, dPᵀ, the keep bits and the
+    /// softcap, ALiBi and block-mask operands of one element at once. That variant runs only
+    /// problems that combine several optional paths at d > 128; its budget is 256 B.
     pub fn spill_budget(&self) -> u32 {
-        if self.d >= 128 && !self.wgmma {
+        if self.split() > 1 && self.extras == ExtraPaths::ALL {
+            256
+        } else if self.d >= 128 && !self.wgmma {
             80
         } else {
             0
@@ -442,12 +471,13 @@ impl BwdVariant {
 
     /// The variant used for `dtype` and head dim `d` on the sm_80 path, if supported: the fastest
     /// measured on an H100 (docs/cuda-notes.md, v3: 64 keys per block, 4 warps, at every length of
-    /// the grid).
+    /// the grid); at d = 256, 64 keys on 8 warps, two to each 16 keys ([`BwdVariant::split`]).
     pub fn default_for(dtype: DType, d: usize) -> Option<BwdVariant> {
         if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
-        Some(BwdVariant { dtype, d, br: 64, warps: 4, extras: ExtraPaths::NONE, wgmma: false })
+        let warps = if d > 128 { 8 } else { 4 };
+        Some(BwdVariant { dtype, d, br: 64, warps, extras: ExtraPaths::NONE, wgmma: false })
     }
 
     /// The Hopper (sm_90a) variant for `dtype` and head dim `d`, the fastest measured on an H100
@@ -456,7 +486,7 @@ impl BwdVariant {
     /// warpgroup per block (two blocks per multiprocessor), and d = 64 on 64 queries, measured
     /// slower.
     pub fn hopper_for(dtype: DType, d: usize) -> Option<BwdVariant> {
-        if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
+        if dtype == DType::F32 || !HOPPER_BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
         let br = if d == 64 { 128 } else { 64 };
@@ -467,7 +497,7 @@ impl BwdVariant {
     /// queries a tile; at d = 64 two warpgroups with Sᵀ and dPᵀ in flight together, at d = 128 one
     /// warpgroup with dPᵀ issued after dV (the other arrangements spill).
     pub fn hopper_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<BwdVariant> {
-        if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
+        if dtype == DType::F32 || !HOPPER_BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
         let warps = if d == 64 { 8 } else { 4 };
@@ -475,14 +505,15 @@ impl BwdVariant {
     }
 
     /// The variant used on `arch` for `dtype`, head dim `d` and the optional paths `extras`: on
-    /// sm_90a the Hopper kernel ([`BwdVariant::hopper_for`], [`BwdVariant::hopper_extras_for`]),
-    /// else [`BwdVariant::default_for`] with them.
+    /// sm_90a the Hopper kernel ([`BwdVariant::hopper_for`], [`BwdVariant::hopper_extras_for`])
+    /// where it has the width, else [`BwdVariant::default_for`] with them.
     pub fn default_on(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths) -> Option<BwdVariant> {
-        match (arch.has_wgmma(), extras.any()) {
+        let hopper = match (arch.has_wgmma(), extras.any()) {
             (true, false) => BwdVariant::hopper_for(dtype, d),
             (true, true) => BwdVariant::hopper_extras_for(dtype, d, extras),
-            (false, _) => BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras)),
-        }
+            (false, _) => None,
+        };
+        hopper.or_else(|| BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras)))
     }
 
     /// This variant with the optional paths `extras` compiled in.
@@ -496,7 +527,9 @@ impl BwdVariant {
         for dtype in [DType::BF16, DType::F16] {
             for d in BWD_HEAD_DIMS {
                 // (128, 4) was measured too (docs/cuda-notes.md): slower everywhere and it spills.
-                for (br, warps) in [(64, 4), (64, 8)] {
+                // At d = 256 only the split shape (8 warps, 64 keys) holds dK and dV.
+                let shapes: &[(usize, usize)] = if d > 128 { &[(64, 8)] } else { &[(64, 4), (64, 8)] };
+                for &(br, warps) in shapes {
                     v.push(BwdVariant { dtype, d, br, warps, extras: ExtraPaths::NONE, wgmma: false });
                 }
                 if let Some(x) = BwdVariant::default_for(dtype, d) {

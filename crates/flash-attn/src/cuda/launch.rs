@@ -270,9 +270,8 @@ pub(crate) fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) ->
     if !g.d.is_multiple_of(8) {
         return unsupported(&format!("head dim {} (a multiple of 8 is needed)", g.d));
     }
-    let max = if backward { 128 } else { 256 };
     let backend = if backward { "cuda backward (multiples of 8)" } else { "cuda forward (multiples of 8)" };
-    padded_head_dim(g.d, backward).ok_or(Error::HeadDim { tensor: "q", dim: g.d, backend, min: 8, max })
+    padded_head_dim(g.d, backward).ok_or(Error::HeadDim { tensor: "q", dim: g.d, backend, min: 8, max: 256 })
 }
 
 /// The forward variant for this problem on `arch`, or why the CUDA forward cannot run it.

@@ -18,9 +18,8 @@
 //! # Ok::<(), flash_attn::Error>(())
 //! ```
 //!
-//! Supported today, forward and backward: `f16`/`bf16`, `d == dv` a multiple of 8 up to 256
-//! (forward) or 128 (backward), run on kernels compiled for 64, 128 and 256 columns (the Hopper
-//! forward also 96 and 192) with the columns past `d` zero-filled on load and never stored
+//! Supported today, forward and backward: `f16`/`bf16`, `d == dv` a multiple of 8 up to 256,
+//! run on kernels compiled for 64, 128 and 256 columns (the Hopper forward also 96 and 192) with the columns past `d` zero-filled on load and never stored
 //! ([`padded_head_dim`], [`tile_width`]), causal
 //! (bottom-right and top-left), sliding windows, softcap, ALiBi, GQA/MQA (gradients summed into
 //! the `hk` heads on chip), fixed-length and varlen batches, dropout (the CPU's Philox keep mask,

@@ -207,25 +207,37 @@ struct BoolC {
 
 template <int D, int BR, int WARPS, bool BF16>
 struct FlashBwd {
-    static constexpr int BC = 16 * WARPS;  // keys per block, 16 per warp
+    // Tiles wider than 128 (the mma.sync kernel at d 136-256): a warp's dK and dV rows over the
+    // whole width would take 256 registers. There two warps share 16 keys (SPLIT = 2): each
+    // computes Sᵀ and dPᵀ for one half of the query tile over the whole width, and holds dK and dV
+    // for one half of the columns; Pᵀ and dSᵀ meet in shared memory, the A operands of dV and dK
+    // after a barrier. (FlashAttention-2 splits its d 256 backward over 8 warps alike.)
+    static constexpr int SPLIT = (FA_WGMMA == 0 && D > 128) ? 2 : 1;  // = BwdVariant::split (kernels.rs)
+    static constexpr int KEY_WARPS = WARPS / SPLIT;  // warps with distinct keys
+    static constexpr int BC = 16 * KEY_WARPS;  // keys per block, 16 per warp
     static constexpr int THREADS = WARPS * 32;
-    static constexpr int NT = BR / 8;      // n-tiles of a warp's Sᵀ (queries)
-    static constexpr int DT = D / 8;       // n-tiles of a warp's dK, dV (head dim)
+    static constexpr int NT = BR / 8;      // n-tiles of the query tile
+    static constexpr int NTW = NT / SPLIT;  // n-tiles of a warp's Sᵀ (queries)
+    static constexpr int DA = D / SPLIT;    // columns of a warp's dK, dV
+    static constexpr int DT = DA / 8;       // n-tiles of a warp's dK, dV (head dim)
+    static_assert(WARPS % SPLIT == 0 && NTW % 2 == 0 && DA % 16 == 0, "whole halves");
     static constexpr int KV_BYTES = BC * D * 2;
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int DS_BYTES = BC * BR * 2;
     static constexpr int ROW_BYTES = BR * 4;
+    static constexpr int P_BYTES = SPLIT > 1 ? BC * BR * 2 : 0;  // Pᵀ (SPLIT)
     // Query slices of the dPᵀ / dSᵀ / dK phase: more slices, fewer live dPᵀ registers, more
     // reads of V. An experiment knob (FA_PARTS, default 1): 2 measured no faster (v3 notes).
     static constexpr int PARTS = FA_PARTS;
-    static_assert(NT % (2 * PARTS) == 0, "parts of whole 16-query pairs");
+    static_assert(NTW % (2 * PARTS) == 0, "parts of whole 16-query pairs");
     // Hopper with two warpgroups: dQ = dS K of an item is issued and left in flight; the next
     // item waits for it (and adds it to dQaccum) after issuing its own Sᵀ. dSᵀ is then
     // double-buffered. (One warpgroup a block runs two blocks per multiprocessor, whose shared
     // memory leaves no room for the second buffer.)
     static constexpr bool DEFER_DQ = FA_WGMMA != 0 && WARPS == 8;  // = BwdVariant::defers_dq (kernels.rs)
-    // K, V | Q[2], dO[2] | dSᵀ (two with DEFER_DQ) | lse[2], D[2]
-    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + (DEFER_DQ ? 2 : 1) * DS_BYTES + 4 * ROW_BYTES;
+    // K, V | Q[2], dO[2] | dSᵀ (two with DEFER_DQ) | Pᵀ (SPLIT) | lse[2], D[2]
+    static constexpr int SMEM_BYTES =
+        2 * KV_BYTES + 4 * Q_BYTES + (DEFER_DQ ? 2 : 1) * DS_BYTES + P_BYTES + 4 * ROW_BYTES;
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
     // Hopper: Sᵀ and dPᵀ issued together, dV left in flight under dSᵀ, at 64 queries per tile.
     // With 128 (or with the extras at d 128), that many live registers spill, so dPᵀ is issued
@@ -351,6 +363,57 @@ struct FlashBwd {
 #endif
     }
 
+    // SPLIT: acc += A · X[:, c_off .. c_off + DA), where A is this warp's 16 keys x BR queries of
+    // a [key][query] tile in shared memory (Pᵀ' or dSᵀ, written by both warps of the pair before a
+    // barrier) and X (BR x D, row-major) the B operand: dV += Pᵀ' dO, dK += dSᵀ Q. The columns
+    // past the head dim are zeros in X; their products are wasted, never stored.
+    static __device__ __forceinline__ void accumulate_split(FragC (&acc)[DT], u32 sA, u32 sX, int warp_key, int c_off,
+                                                            int lane) {
+        static_assert(SPLIT > 1 && !GMMA, "the mma.sync kernel's split");
+        // c_off is a multiple of 64 columns (eight chunks): the half starts on the swizzle's phase.
+        const u32 sXh = sX + (u32)(2 * c_off);
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk) {
+            const FragA a = load_a<BR>(sA, warp_key, kk, lane);
+#pragma unroll
+            for (int dp = 0; dp < DA / 16; ++dp) {
+                FragB b0, b1;
+                load_b_pair_trans<D>(sXh, 16 * kk, dp, lane, b0, b1);
+                mma<BF16>(acc[2 * dp], a, b0);
+                mma<BF16>(acc[2 * dp + 1], a, b1);
+            }
+        }
+    }
+
+    // This warp's 16 keys x 16·K queries of A fragments (Pᵀ' or dSᵀ, n-tiles of 8 queries from
+    // query column q0 of the tile) into a [key][query] tile in shared memory, swizzled (`ds_offset`).
+    // (g and t are the caller's: derived from the opaque lane here they cost registers.)
+    template <int K>
+    static __device__ __forceinline__ void store_t(u32 sA, const FragA (&a)[K], int q0, int warp_key, int lane, int g,
+                                                   int t) {
+#if FA_WGMMA
+        // One stmatrix per 16 x 16 fragment: matrix i is rows 8·(i & 1) of the warp's
+        // 16 keys at query chunk 2·kk + (i >> 1); lanes 8i .. 8i + 7 address its rows.
+        const int i = lane >> 3, row = warp_key + (lane & 7) + 8 * (i & 1);
+#pragma unroll
+        for (int kk = 0; kk < K; ++kk) {
+            const int chunk = q0 / 8 + 2 * kk + (i >> 1);
+            stmatrix_x4(sA + ds_offset(row, chunk), a[kk].x[0], a[kk].x[1], a[kk].x[2], a[kk].x[3]);
+        }
+#else
+#pragma unroll
+        for (int kk = 0; kk < K; ++kk)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = warp_key + g + 8 * r, chunk = q0 / 8 + 2 * kk + h2;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sA + ds_offset(row, chunk) + 4 * t),
+                                 "r"(a[kk].x[2 * h2 + r]));
+                }
+#endif
+    }
+
     // Keep bits of this thread's Sᵀ elements for query head stream bh: bit (4·nt + 2·r + c) is
     // key row g + 8r, query column 8·nt + 2t + c (q0 a multiple of 16, k0 of 16). In philox.cuh's
     // layout the call of queries {16a + 2t + c, + 8} and keys with (k % 8) / 2 = g / 2 in this
@@ -358,10 +421,10 @@ struct FlashBwd {
     // lane g ^ 1 (the same queries, keys one apart): lane e = g & 1 draws the calls of c = e, keeps
     // its own bits and packs its partner's, and the pair swaps those in one shuffle per 32 bits:
     // one call per eight elements. Every lane of the warp must call it.
-    static __device__ __forceinline__ void keep_bits(u32 (&bits)[(NT + 7) / 8], const DropoutParams& dp, u32 bh,
+    static __device__ __forceinline__ void keep_bits(u32 (&bits)[(NTW + 7) / 8], const DropoutParams& dp, u32 bh,
                                                      int q0, int k0, int lane) {
-        static_assert(NT % 2 == 0, "whole 16-query blocks");
-        constexpr int NW = (NT + 7) / 8;
+        static_assert(NTW % 2 == 0, "whole 16-query blocks");
+        constexpr int NW = (NTW + 7) / 8;
         const int g = lane >> 2, t = lane & 3, e = g & 1;
         const u32 c0 = 4u * ((u32)k0 >> 5) + (u32)(g >> 1);
         const bool upper = (k0 & 16) != 0;  // keys 16 .. 31 of the block: words 1 and 3
@@ -369,7 +432,7 @@ struct FlashBwd {
 #pragma unroll
         for (int k = 0; k < NW; ++k) mine[k] = theirs[k] = 0u;
 #pragma unroll
-        for (int a = 0; a < NT / 2; ++a) {
+        for (int a = 0; a < NTW / 2; ++a) {
             const Philox4 w = dropout_call(dp, bh, c0, 8u * (((u32)q0 >> 4) + (u32)a) + 2u * (u32)t + (u32)e);
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {  // query row 16a + 2t + e + 8·hf: n-tile 2a + hf
@@ -389,7 +452,7 @@ struct FlashBwd {
         for (int k = 0; k < NW; ++k) bits[k] = mine[k] | __shfl_xor_sync(0xffffffffu, theirs[k], 4);
     }
 
-    static __device__ __forceinline__ bool kept(const u32 (&bits)[(NT + 7) / 8], int nt, int r, int c) {
+    static __device__ __forceinline__ bool kept(const u32 (&bits)[(NTW + 7) / 8], int nt, int r, int c) {
         int bit = 4 * nt + 2 * r + c;
         return (bits[bit / 32] >> (bit % 32)) & 1u;
     }
@@ -541,18 +604,20 @@ struct FlashBwd {
 #endif
     }
 
-    // Writes this warp's 16 rows of a dK or dV accumulator (times `mul`) for keys < keys_valid.
+    // Writes this warp's 16 rows of a dK or dV accumulator (times `mul`) for keys < keys_valid:
+    // columns c_off .. c_off + DA - 1 (SPLIT: the warp's half), those < head_dim.
     static __device__ __forceinline__ void store_rows(const FragC (&acc)[DT], float mul, u16* g, long long row_stride,
-                                                      int warp_key, int keys_valid, int head_dim, int lane) {
+                                                      int warp_key, int c_off, int keys_valid, int head_dim,
+                                                      int lane) {
         const int gi = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             int row = warp_key + gi + 8 * r;
             if (row < keys_valid) {
-                u16* dst = g + row * row_stride + 2 * t;
+                u16* dst = g + row * row_stride + c_off + 2 * t;
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
-                    if (8 * dt < head_dim)
+                    if (c_off + 8 * dt < head_dim)
                         *reinterpret_cast<u32*>(dst + 8 * dt) =
                             pack2<BF16>(acc[dt].x[2 * r] * mul, acc[dt].x[2 * r + 1] * mul);
             }
@@ -593,10 +658,14 @@ struct FlashBwd {
         bool modded, drop;
         float slope;
         const unsigned char* plane;
+        // SPLIT: Pᵀ' in shared memory, and the warp's first query column of the tile (0 or BR / 2).
+        u32 sP;
+        int q_off;
     };
 
     // The products and element-wise work of one item up to dSᵀ in shared memory and dK, dV
-    // accumulated, compiled for each case: FULL (every pair visible, every row a real query)
+    // accumulated (SPLIT: up to Pᵀ' and dSᵀ in shared memory; the caller accumulates dK and dV
+    // after the barrier), compiled for each case: FULL (every pair visible, every row a real query)
     // without any predicate, or the masked case; PLAIN (no score modification, no dropout: what
     // the variants without the extras always run) without the extras' code, which, predicated
     // off element by element, would still take the issue slots; CAP (in the variants of softcap
@@ -610,13 +679,15 @@ struct FlashBwd {
         const u32 sK = ctx.sK, sV = ctx.sV, sQ = ctx.sQ, sDO = ctx.sDO, sDS = ctx.sDS, l_base = ctx.l_base, d_base = ctx.d_base;
         const Visibility vis = ctx.vis;
         const int row0 = ctx.row0, rows_valid = ctx.rows_valid, col0 = ctx.col0, off = ctx.off, warp_key = ctx.warp_key;
+        const int q_off = SPLIT > 1 ? ctx.q_off : 0;
         const int lane = ctx.lane, g = ctx.g, t = ctx.t, b = ctx.b, h = ctx.h;
         const bool modded = !PLAIN && ctx.modded, drop = !PLAIN && ctx.drop;
         const bool softcapped = FA_SOFTCAP && !PLAIN && (CAP || p.mod.softcap > 0.f);
         const float slope = ctx.slope;
         const unsigned char* plane = ctx.plane;
-        // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0.
-        FragC s[NT];
+        // Pᵀ = exp2(Sᵀ · scale·log2 e - lse · log2 e); hidden pairs 0. (The warp's queries q_off ..
+        // q_off + 8·NTW - 1 of the tile; l_base and d_base point at q_off's row.)
+        FragC s[NTW];
 #if FA_WGMMA
         // Sᵀ and (SDP_TOGETHER) dPᵀ = V dOᵀ back to back; dK, and dV where SDP_TOGETHER,
         // stay in flight under the element-wise work until the wait at the end.
@@ -637,14 +708,14 @@ struct FlashBwd {
         fence_operands(s);
         if (SDP_TOGETHER) fence_operands(dp);
 #else
-        scores_t(s, sK, sQ, 0, warp_key, lane);
+        scores_t(s, sK, sQ, q_off, warp_key, lane);
 #endif
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < NTW; ++nt) {
             const float2 lv = ld_shared_f32x2(l_base + 32 * nt);
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const int col = 8 * nt + 2 * t + c;
+                const int col = q_off + 8 * nt + 2 * t + c;
                 const float l = c ? lv.y : lv.x;
                 int lo = 0, hi = 0;
                 if (!FULL && col < rows_valid) vis.span(row0 + col, lo, hi);
@@ -669,16 +740,17 @@ struct FlashBwd {
             }
         }
 
-        u32 bits[(NT + 7) / 8];
-        if (drop) keep_bits(bits, p.dropout, (u32)(b * p.hq + h), row0, col0 + warp_key, lane);
+        u32 bits[(NTW + 7) / 8];
+        if (drop) keep_bits(bits, p.dropout, (u32)(b * p.hq + h), row0 + q_off, col0 + warp_key, lane);
 
-        // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p).
+        // dV += P'ᵀ dO, P' = P ∘ keep / (1 - p) (SPLIT: P'ᵀ to shared memory; dV after the
+        // barrier).
         {
 #if !FA_WGMMA
-            FragA pa[BR / 16];
+            FragA pa[NTW / 2];
 #endif
 #pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk) {
+            for (int kk = 0; kk < NTW / 2; ++kk) {
                 if (drop) {
                     float x[8];
 #pragma unroll
@@ -699,7 +771,10 @@ struct FlashBwd {
                     pa[kk] = scores_to_a<BF16>(s[2 * kk], s[2 * kk + 1]);
                 }
             }
-            accumulate_t<BR / 16, FA_WGMMA == 0 || !SDP_TOGETHER>(dv, pa, sDO, 0, lane);
+            if constexpr (SPLIT == 1)
+                accumulate_t<BR / 16, FA_WGMMA == 0 || !SDP_TOGETHER>(dv, pa, sDO, 0, lane);
+            else
+                store_t(ctx.sP, pa, q_off, warp_key, lane, g, t);
         }
 #if FA_WGMMA
         if (!SDP_TOGETHER) {
@@ -714,10 +789,10 @@ struct FlashBwd {
         // full).
 #pragma unroll
         for (int part = 0; part < PARTS; ++part) {
-            constexpr int PN = NT / PARTS;  // n-tiles (8 queries) per part
+            constexpr int PN = NTW / PARTS;  // n-tiles (8 queries) per part
 #if !FA_WGMMA
             FragC dp[PN];
-            scores_t(dp, sV, sDO, 8 * PN * part, warp_key, lane);
+            scores_t(dp, sV, sDO, q_off + 8 * PN * part, warp_key, lane);
             FragA da[PN / 2];
 #endif
 #pragma unroll
@@ -731,7 +806,7 @@ struct FlashBwd {
                 if (softcapped) l2 = ld_shared_f32x2(l_base + 32 * nt);
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    const int col = 8 * nt + 2 * t + c;
+                    const int col = q_off + 8 * nt + 2 * t + c;
                     const float dd = c ? dv2.y : dv2.x;
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
@@ -759,35 +834,12 @@ struct FlashBwd {
 #pragma unroll
             for (int kk = 0; kk < PN / 2; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
 
-            // dSᵀ to shared memory ([key][query], swizzled) for dQ, before the barrier.
-#if FA_WGMMA
-            // One stmatrix per 16 x 16 fragment: matrix i is rows 8·(i & 1) of the warp's
-            // 16 keys at query chunk 2·kk + (i >> 1); lanes 8i .. 8i + 7 address its rows.
-            {
-                const int i = lane >> 3, row = warp_key + (lane & 7) + 8 * (i & 1);
-#pragma unroll
-                for (int kk = 0; kk < PN / 2; ++kk) {
-                    const int chunk = 2 * (part * PN / 2 + kk) + (i >> 1);
-                    stmatrix_x4(sDS + ds_offset(row, chunk), da[kk].x[0], da[kk].x[1], da[kk].x[2],
-                                da[kk].x[3]);
-                }
-            }
-#else
-#pragma unroll
-            for (int kk = 0; kk < PN / 2; ++kk)
-#pragma unroll
-                for (int h2 = 0; h2 < 2; ++h2)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = warp_key + g + 8 * r, chunk = 2 * (part * PN / 2 + kk) + h2;
-                        const u32 word = da[kk].x[2 * h2 + r];
-                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDS + ds_offset(row, chunk) + 4 * t),
-                                     "r"(word));
-                    }
-#endif
+            // dSᵀ to shared memory ([key][query], swizzled) for dQ (and SPLIT: dK), before the
+            // barrier.
+            store_t(sDS, da, q_off + 8 * PN * part, warp_key, lane, g, t);
 
-            // dK += dSᵀ Q (the scale is applied once at the end).
-            accumulate_t<PN / 2, FA_WGMMA == 0>(dk, da, sQ, 8 * PN * part, lane);
+            // dK += dSᵀ Q (the scale is applied once at the end); SPLIT: after the barrier.
+            if constexpr (SPLIT == 1) accumulate_t<PN / 2, FA_WGMMA == 0>(dk, da, sQ, 8 * PN * part, lane);
         }
 #if FA_WGMMA
         fence_proxy_async();  // dSᵀ was written by the generic proxy; the dQ wgmma reads it
@@ -827,9 +879,13 @@ struct FlashBwd {
         }
 
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + 2 * Q_BYTES,
-                  sDS0 = sDO0 + 2 * Q_BYTES, sL0 = sDS0 + (DEFER_DQ ? 2 : 1) * DS_BYTES,
+                  sDS0 = sDO0 + 2 * Q_BYTES, sP = sDS0 + (DEFER_DQ ? 2 : 1) * DS_BYTES, sL0 = sP + P_BYTES,
                   sD0 = sL0 + 2 * ROW_BYTES;
-        const int warp_key = 16 * warp;
+        // The warp's 16 keys of the tile; SPLIT: its half of the queries (Sᵀ, dPᵀ) and of the
+        // columns (dK, dV).
+        // (Compile-time zeros without SPLIT: the warp index is not known to be below WARPS.)
+        const int warp_key = 16 * (SPLIT > 1 ? warp % KEY_WARPS : warp), half = SPLIT > 1 ? warp / KEY_WARPS : 0;
+        const int q_off = half * (BR / SPLIT), c_off = half * DA;
 
         const int per_head = max(m_hi - m_lo, 0);
         const int work = per_head * p.group;
@@ -952,12 +1008,12 @@ struct FlashBwd {
             const u32 sDS = sDS0 + (DEFER_DQ ? buf * DS_BYTES : 0);
             // This thread's columns 8·nt + 2t, +1 of the lse·log2(e) and D rows: one 8-byte load
             // each per n-tile, at an immediate offset from these bases.
-            const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
+            const u32 l_base = opaque(sL + 4 * q_off + 8 * t), d_base = opaque(sD + 4 * q_off + 8 * t);
             // (Read from the parameters at each item: held across the loop they take registers.)
             const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
 
-            const ItemCtx ctx{&p, sK, sV, sQ, sDO, sDS, l_base, d_base, vis, row0, rows_valid, col0,
-                              off, warp_key, lane, g, t, b, h, tid, warp, info, modded, drop, slope, plane};
+            const ItemCtx ctx{&p,   sK,  sV,   sQ,    sDO,  sDS,   l_base, d_base, vis,  row0,  rows_valid,
+                              col0, off, warp_key, lane, g, t, b, h, tid, warp, info, modded, drop, slope, plane, sP, q_off};
             // Every pair visible and every row a real query: no predicate. (Rows past the end hold
             // zeros; masking them too keeps a non-finite V out of dK through them.)
             const bool full = all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
@@ -979,7 +1035,12 @@ struct FlashBwd {
                 else
                     item<false, false>(ctx, dk, dv, dq);
             }
-            __syncthreads();  // dSᵀ complete
+            __syncthreads();  // dSᵀ (and SPLIT: Pᵀ') complete
+
+            if constexpr (SPLIT > 1) {
+                accumulate_split(dv, sP, sDO, warp_key, c_off, lane);
+                accumulate_split(dk, sDS, sQ, warp_key, c_off, lane);
+            }
 
             if constexpr (DEFER_DQ) {
 #if FA_WGMMA
@@ -1016,8 +1077,8 @@ struct FlashBwd {
         const int kv = min(BC, e.sk - e.n_block * BC);
         u16* gdK = p.dk + e.b * p.dk_batch + k0 * p.dk_row + e.hkv * p.dk_head;
         u16* gdV = p.dv + e.b * p.dv_batch + k0 * p.dv_row + e.hkv * p.dv_head;
-        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, kv, p.d, lane_id);
-        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, kv, p.d, lane_id);
+        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, c_off, kv, p.d, lane_id);
+        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, c_off, kv, p.d, lane_id);
     }
 };
 
