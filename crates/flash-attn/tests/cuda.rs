@@ -111,19 +111,20 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
             }
         }
         for d in BWD_HEAD_DIMS {
-            // Past 128 the backward runs the split mma.sync kernel on Hopper too.
-            let hopper = d <= 128;
+            // Past 128, two warps (Hopper: warpgroups) share the keys, each with half the columns.
+            let split = if d > 128 { 2 } else { 1 };
             let h = BwdVariant::default_on(&sm90a, dtype, d, ExtraPaths::NONE).expect("a backward variant");
-            assert!(h.wgmma == hopper && h.d == d && !h.extras.any());
-            assert_eq!(h.split(), if hopper { 1 } else { 2 }, "{}", h.name());
+            assert!(h.wgmma && h.d == d && !h.extras.any());
+            assert_eq!(h.split(), split, "{}", h.name());
+            assert_eq!(h.block_keys() * h.split(), 16 * h.warps, "{}", h.name());
             let a = BwdVariant::default_on(&sm80, dtype, d, ExtraPaths::NONE).expect("a backward variant");
             assert!(!a.wgmma && a.d == d);
-            assert_eq!(a.split(), if d > 128 { 2 } else { 1 }, "{}", a.name());
+            assert_eq!(a.split(), split, "{}", a.name());
             // Keys per block: 16 per warp, or per pair of warps where they split the columns.
             assert_eq!(a.block_keys() * a.split(), 16 * a.warps, "{}", a.name());
             for e in every_extra_set() {
                 let x = BwdVariant::default_on(&sm90a, dtype, d, e).expect("a backward variant");
-                assert!(x.wgmma == hopper && x.extras == e && x.d == d);
+                assert!(x.wgmma && x.extras == e && x.d == d && x.split() == split);
                 let y = BwdVariant::default_on(&sm80, dtype, d, e).expect("a backward variant");
                 assert!(!y.wgmma && y.extras == e);
                 if ExtraPaths::gated().contains(&e) {

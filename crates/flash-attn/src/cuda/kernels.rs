@@ -135,14 +135,9 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 pub const HOPPER_HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
 
 /// Tile widths the backward kernels are compiled for. A warp's dK and dV rows live in registers;
-/// at 256 two warps share 16 keys, each holding half the columns ([`BwdVariant::split`]), and
-/// that width runs on the mma.sync kernel on every architecture (the Hopper kernel's warpgroup
-/// would need 256 accumulator registers a thread).
+/// at 256 two warps (on Hopper two warpgroups) share the same keys, each holding half the
+/// columns ([`BwdVariant::split`]).
 pub const BWD_HEAD_DIMS: [usize; 3] = [64, 128, 256];
-
-/// Tile widths the Hopper backward kernel (sm_90a) is compiled for; wider tiles run the mma.sync
-/// kernel there.
-const HOPPER_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// The compiled tile width that runs head dim `d` (forward, or backward when `backward`) on the
 /// mma.sync kernels: the smallest of [`HEAD_DIMS`] (or [`BWD_HEAD_DIMS`]) that is at least `d`;
@@ -376,11 +371,11 @@ pub struct BwdVariant {
 }
 
 impl BwdVariant {
-    /// Warps that share each 16 keys (`SPLIT` in `flash_bwd.cuh`, which must agree): 2 on the
-    /// mma.sync kernel at tile widths past 128, where each warp holds half the columns of dK and
-    /// dV and computes Sᵀ and dPᵀ for half the queries; else 1.
+    /// Warps (Hopper: warpgroups) that share the same keys (`SPLIT` in `flash_bwd.cuh`, which
+    /// must agree): 2 at tile widths past 128, where each holds half the columns of dK and dV and
+    /// computes Sᵀ and dPᵀ for half the queries; else 1.
     pub fn split(&self) -> usize {
-        if !self.wgmma && self.d > 128 {
+        if self.d > 128 {
             2
         } else {
             1
@@ -401,7 +396,7 @@ impl BwdVariant {
     /// two-warpgroup Hopper kernel; `DEFER_DQ` in `flash_bwd.cuh`, which must agree), with dSᵀ
     /// double-buffered.
     fn defers_dq(&self) -> bool {
-        self.wgmma && self.warps == 8
+        self.wgmma && self.warps == 8 && self.split() == 1
     }
 
     /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO, dSᵀ (two buffers in
@@ -440,12 +435,13 @@ impl BwdVariant {
     /// backward v3). The budget is there so that a change that spills more, or spills anywhere
     /// else, fails.
     ///
-    /// The split kernel at d = 256 with all four optional paths on spills 132 B (sm_90a) to 216 B
-    /// (sm_80): next to dK and dV (128 registers) it holds Pᵀ, dPᵀ, the keep bits and the
-    /// softcap, ALiBi and block-mask operands of one element at once. That variant runs only
-    /// problems that combine several optional paths at d > 128; its budget is 256 B.
+    /// The mma.sync split kernel at d = 256 with all four optional paths on spills 132 B (sm_90a)
+    /// to 216 B (sm_80): next to dK and dV (128 registers) it holds Pᵀ, dPᵀ, the keep bits and
+    /// the softcap, ALiBi and block-mask operands of one element at once. That variant runs only
+    /// problems that combine several optional paths at d > 128 on sm_80-class GPUs; its budget is
+    /// 256 B.
     pub fn spill_budget(&self) -> u32 {
-        if self.split() > 1 && self.extras == ExtraPaths::ALL {
+        if self.split() > 1 && self.extras == ExtraPaths::ALL && !self.wgmma {
             256
         } else if self.d >= 128 && !self.wgmma {
             80
@@ -484,9 +480,9 @@ impl BwdVariant {
     /// (docs/cuda-notes.md, Hopper backward): two warpgroups (128 keys); 64 queries per tile at
     /// d = 128, 128 at d = 64 (a warpgroup's piece of dQ is then 64 queries x 64 columns). One
     /// warpgroup per block (two blocks per multiprocessor), and d = 64 on 64 queries, measured
-    /// slower.
+    /// slower. At d = 256 the two warpgroups share 64 keys ([`BwdVariant::split`]).
     pub fn hopper_for(dtype: DType, d: usize) -> Option<BwdVariant> {
-        if dtype == DType::F32 || !HOPPER_BWD_HEAD_DIMS.contains(&d) {
+        if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
         let br = if d == 64 { 128 } else { 64 };
@@ -497,10 +493,11 @@ impl BwdVariant {
     /// queries a tile; at d = 64 two warpgroups with Sᵀ and dPᵀ in flight together, at d = 128 one
     /// warpgroup with dPᵀ issued after dV (the other arrangements spill).
     pub fn hopper_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<BwdVariant> {
-        if dtype == DType::F32 || !HOPPER_BWD_HEAD_DIMS.contains(&d) {
+        if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
-        let warps = if d == 64 { 8 } else { 4 };
+        // d = 256: the two split warpgroups.
+        let warps = if d == 128 { 4 } else { 8 };
         Some(BwdVariant { dtype, d, br: 64, warps, extras, wgmma: true })
     }
 
@@ -537,8 +534,11 @@ impl BwdVariant {
                 }
                 if let Some(h) = BwdVariant::hopper_for(dtype, d) {
                     v.push(h);
-                    // One warpgroup per block, 64 queries (two blocks per multiprocessor).
-                    v.push(BwdVariant { br: 64, warps: 4, ..h });
+                    // One warpgroup per block, 64 queries (two blocks per multiprocessor); not at
+                    // d = 256, where two warpgroups split the columns.
+                    if d <= 128 {
+                        v.push(BwdVariant { br: 64, warps: 4, ..h });
+                    }
                     // d = 64 on 64 queries a tile (dQ pieces of 32 columns, Sᵀ and dPᵀ in flight
                     // together): correct, measured 9-14% slower than 128 queries.
                     if d == 64 {

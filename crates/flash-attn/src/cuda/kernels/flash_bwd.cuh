@@ -207,12 +207,12 @@ struct BoolC {
 
 template <int D, int BR, int WARPS, bool BF16>
 struct FlashBwd {
-    // Tiles wider than 128 (the mma.sync kernel at d 136-256): a warp's dK and dV rows over the
-    // whole width would take 256 registers. There two warps share 16 keys (SPLIT = 2): each
-    // computes Sᵀ and dPᵀ for one half of the query tile over the whole width, and holds dK and dV
-    // for one half of the columns; Pᵀ and dSᵀ meet in shared memory, the A operands of dV and dK
-    // after a barrier. (FlashAttention-2 splits its d 256 backward over 8 warps alike.)
-    static constexpr int SPLIT = (FA_WGMMA == 0 && D > 128) ? 2 : 1;  // = BwdVariant::split (kernels.rs)
+    // Tiles wider than 128 (d 136-256): a warp's dK and dV rows over the whole width would take
+    // 256 registers. There two warps (Hopper: two warpgroups) share the same keys (SPLIT = 2):
+    // each computes Sᵀ and dPᵀ for one half of the query tile over the whole width, and holds dK
+    // and dV for one half of the columns; Pᵀ' and dSᵀ meet in shared memory, the A operands of dV
+    // and dK after a barrier. (FlashAttention-2 splits its d 256 backward over 8 warps alike.)
+    static constexpr int SPLIT = D > 128 ? 2 : 1;  // = BwdVariant::split (kernels.rs)
     static constexpr int KEY_WARPS = WARPS / SPLIT;  // warps with distinct keys
     static constexpr int BC = 16 * KEY_WARPS;  // keys per block, 16 per warp
     static constexpr int THREADS = WARPS * 32;
@@ -234,7 +234,8 @@ struct FlashBwd {
     // item waits for it (and adds it to dQaccum) after issuing its own Sᵀ. dSᵀ is then
     // double-buffered. (One warpgroup a block runs two blocks per multiprocessor, whose shared
     // memory leaves no room for the second buffer.)
-    static constexpr bool DEFER_DQ = FA_WGMMA != 0 && WARPS == 8;  // = BwdVariant::defers_dq (kernels.rs)
+    // (Not with SPLIT, whose dQ piece of 128 columns would hold 64 more registers across the item.)
+    static constexpr bool DEFER_DQ = FA_WGMMA != 0 && WARPS == 8 && SPLIT == 1;  // = BwdVariant::defers_dq
     // K, V | Q[2], dO[2] | dSᵀ (two with DEFER_DQ) | Pᵀ (SPLIT) | lse[2], D[2]
     static constexpr int SMEM_BYTES =
         2 * KV_BYTES + 4 * Q_BYTES + (DEFER_DQ ? 2 : 1) * DS_BYTES + P_BYTES + 4 * ROW_BYTES;
@@ -249,6 +250,7 @@ struct FlashBwd {
     // A warpgroup (4 warps, 64 keys) issues each product for its keys: Sᵀ and dPᵀ as
     // m64 x BR / PARTS, dV and dK as m64 x D. Tiles in the wgmma layout (GMMA).
     static_assert(WARPS % 4 == 0, "whole warpgroups");
+    static_assert(SPLIT == 1 || WARPS == 8, "SPLIT: two warpgroups on the same 64 keys");
     static constexpr int WGS = WARPS / 4;
     // dQ = dS K (BR x D over the BC keys): warpgroup w takes 64 query rows and NQ columns.
     static constexpr int NSPLIT = WGS / (BR / 64);
@@ -367,9 +369,25 @@ struct FlashBwd {
     // a [key][query] tile in shared memory (Pᵀ' or dSᵀ, written by both warps of the pair before a
     // barrier) and X (BR x D, row-major) the B operand: dV += Pᵀ' dO, dK += dSᵀ Q. The columns
     // past the head dim are zeros in X; their products are wasted, never stored.
+    // (wgmma: one m64 x DA product per 16 queries, both operands from shared memory, committed and
+    // left in flight: the caller waits, then fences acc.)
     static __device__ __forceinline__ void accumulate_split(FragC (&acc)[DT], u32 sA, u32 sX, int warp_key, int c_off,
                                                             int lane) {
-        static_assert(SPLIT > 1 && !GMMA, "the mma.sync kernel's split");
+        static_assert(SPLIT > 1, "the split kernels'");
+#if FA_WGMMA
+        // A = the [key][query] tile (K-major; the warpgroup's 64 keys are the tile's), B = X's
+        // column blocks c_off / 64 .. ([query][d]: MN-major, transposed by the instruction).
+        const u32 xb = sX + (u32)((c_off / 64) * BR * 128);
+        fence_operands(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk) {
+            const u64 da = gmma_desc(sA + (u32)(kk * 32), 16, 1024);
+            const u64 db = gmma_desc(xb + (u32)(kk * 16 * 128), BR * 128, 1024);
+            wgmma_ss<DA, 0, 1>(acc, da, db, 1);
+        }
+        wgmma_commit();
+#else
         // c_off is a multiple of 64 columns (eight chunks): the half starts on the swizzle's phase.
         const u32 sXh = sX + (u32)(2 * c_off);
 #pragma unroll
@@ -383,6 +401,7 @@ struct FlashBwd {
                 mma<BF16>(acc[2 * dp + 1], a, b1);
             }
         }
+#endif
     }
 
     // This warp's 16 keys x 16·K queries of A fragments (Pᵀ' or dSᵀ, n-tiles of 8 queries from
@@ -692,10 +711,10 @@ struct FlashBwd {
         // Sᵀ and (SDP_TOGETHER) dPᵀ = V dOᵀ back to back; dK, and dV where SDP_TOGETHER,
         // stay in flight under the element-wise work until the wait at the end.
         static_assert(PARTS == 1, "the Hopper kernel computes dPᵀ whole");
-        FragC dp[NT];
-        FragA pa[BR / 16], da[NT / 2];
-        scores_t<NT, false>(s, sK, sQ, 0, warp_key, lane);
-        if (SDP_TOGETHER) scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
+        FragC dp[NTW];
+        FragA pa[NTW / 2], da[NTW / 2];
+        scores_t<NTW, false>(s, sK, sQ, q_off, warp_key, lane);
+        if (SDP_TOGETHER) scores_t<NTW, false>(dp, sV, sDO, q_off, warp_key, lane);
         if constexpr (DEFER_DQ) {
             // The previous item's dQ ran under this item's start (its copies, its barrier, the
             // issue of these products); added now. (Waiting for it alone, wait<1>, leaves ptxas
@@ -704,9 +723,15 @@ struct FlashBwd {
             fence_operands(dq);
             flush_dq(p, dq, ctx.info, vis, col0 / BC, ctx.tid, ctx.warp, lane);
         }
-        wgmma_wait<0>();
-        fence_operands(s);
-        if (SDP_TOGETHER) fence_operands(dp);
+        if constexpr (SPLIT > 1) {
+            // Sᵀ alone: Pᵀ is computed (and stored) while dPᵀ runs.
+            wgmma_wait<SDP_TOGETHER ? 1 : 0>();
+            fence_operands(s);
+        } else {
+            wgmma_wait<0>();
+            fence_operands(s);
+            if (SDP_TOGETHER) fence_operands(dp);
+        }
 #else
         scores_t(s, sK, sQ, q_off, warp_key, lane);
 #endif
@@ -778,7 +803,10 @@ struct FlashBwd {
         }
 #if FA_WGMMA
         if (!SDP_TOGETHER) {
-            scores_t<NT, false>(dp, sV, sDO, 0, warp_key, lane);
+            scores_t<NTW, false>(dp, sV, sDO, q_off, warp_key, lane);
+            wgmma_wait<0>();
+            fence_operands(dp);
+        } else if (SPLIT > 1) {
             wgmma_wait<0>();
             fence_operands(dp);
         }
@@ -848,9 +876,9 @@ struct FlashBwd {
         fence_operands(dv);
         fence_operands(dk);
 #pragma unroll
-        for (int kk = 0; kk < BR / 16; ++kk) fence_operands(pa[kk]);
+        for (int kk = 0; kk < NTW / 2; ++kk) fence_operands(pa[kk]);
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) fence_operands(da[kk]);
+        for (int kk = 0; kk < NTW / 2; ++kk) fence_operands(da[kk]);
 #endif
     }
 
@@ -1037,12 +1065,25 @@ struct FlashBwd {
             }
             __syncthreads();  // dSᵀ (and SPLIT: Pᵀ') complete
 
-            if constexpr (SPLIT > 1) {
+            if constexpr (SPLIT > 1 && GMMA) {
+#if FA_WGMMA
+                // dQ's product first, then dV's and dK's: dQ's sums go out to global memory while
+                // dV and dK run (wait<2>: the first of the three groups complete).
+                FragC dqs[NQ / 8];
+                issue_dq(dqs, sDS, sK, warp);
                 accumulate_split(dv, sP, sDO, warp_key, c_off, lane);
                 accumulate_split(dk, sDS, sQ, warp_key, c_off, lane);
-            }
-
-            if constexpr (DEFER_DQ) {
+                wgmma_wait<2>();
+                fence_operands(dqs);
+                add_dq_in_order(p, vis, b, h, m, q_start, n_block, tid,
+                                [&](float* acc, long long acc_row, int rows_valid) {
+                                    add_dq(dqs, acc, acc_row, rows_valid, p.d, warp, lane);
+                                });
+                wgmma_wait<0>();
+                fence_operands(dv);
+                fence_operands(dk);
+#endif
+            } else if constexpr (DEFER_DQ) {
 #if FA_WGMMA
                 // dQ of this item: issued now, added by the next item (or after the loop).
                 issue_dq(dq, sDS, sK, warp);
@@ -1052,6 +1093,10 @@ struct FlashBwd {
                 }
 #endif
             } else {
+                if constexpr (SPLIT > 1) {
+                    accumulate_split(dv, sP, sDO, warp_key, c_off, lane);
+                    accumulate_split(dk, sDS, sQ, warp_key, c_off, lane);
+                }
                 add_dq_in_order(p, vis, b, h, m, q_start, n_block, tid,
                                 [&](float* acc, long long acc_row, int rows_valid) {
                                     accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
