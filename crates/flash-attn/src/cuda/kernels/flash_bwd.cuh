@@ -199,6 +199,21 @@ __device__ __forceinline__ BlockCoords block_coords(const BwdParams& p) {
     return c;
 }
 
+#if FA_WGMMA
+// The descriptor `d` (gmma_desc) moved `bytes` further on (a multiple of 16): one 32-bit add to
+// its start-address field, the low 14 bits, which cannot carry out (shared addresses < 2^18, and
+// every tile sits below 232 KiB). The split kernels build each operand's descriptor once and
+// advance it so, instead of masking and shifting an address per k-step.
+__device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(d));
+    lo += bytes >> 4;
+    u64 r;
+    asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(lo), "r"(hi));
+    return r;
+}
+#endif
+
 // A compile-time bool as a type, to instantiate a generic lambda for each value.
 template <bool B>
 struct BoolC {
@@ -297,11 +312,19 @@ struct FlashBwd {
         const u32 a0 = sK + (u32)((warp_key & ~63) * 128), b0 = sQ + (u32)(q0 * 128);
         fence_operands(s);
         wgmma_fence();
+        if constexpr (SPLIT > 1) {
+            const u64 da0 = gmma_desc(a0, 16, 1024), db0 = gmma_desc(b0, 16, 1024);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u64 da = gmma_desc(a0 + (u32)((kk / 4) * BC * 128 + (kk % 4) * 32), 16, 1024);
-            const u64 db = gmma_desc(b0 + (u32)((kk / 4) * BR * 128 + (kk % 4) * 32), 16, 1024);
-            wgmma_ss<8 * N>(s, da, db, kk > 0);
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_ss<8 * N>(s, desc_plus(da0, (u32)((kk / 4) * BC * 128 + (kk % 4) * 32)),
+                                desc_plus(db0, (u32)((kk / 4) * BR * 128 + (kk % 4) * 32)), kk > 0);
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u64 da = gmma_desc(a0 + (u32)((kk / 4) * BC * 128 + (kk % 4) * 32), 16, 1024);
+                const u64 db = gmma_desc(b0 + (u32)((kk / 4) * BR * 128 + (kk % 4) * 32), 16, 1024);
+                wgmma_ss<8 * N>(s, da, db, kk > 0);
+            }
         }
         wgmma_commit();
         if (WAIT) {
@@ -377,15 +400,12 @@ struct FlashBwd {
 #if FA_WGMMA
         // A = the [key][query] tile (K-major; the warpgroup's 64 keys are the tile's), B = X's
         // column blocks c_off / 64 .. ([query][d]: MN-major, transposed by the instruction).
-        const u32 xb = sX + (u32)((c_off / 64) * BR * 128);
+        const u64 da0 = gmma_desc(sA, 16, 1024), db0 = gmma_desc(sX + (u32)((c_off / 64) * BR * 128), BR * 128, 1024);
         fence_operands(acc);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BR / 16; ++kk) {
-            const u64 da = gmma_desc(sA + (u32)(kk * 32), 16, 1024);
-            const u64 db = gmma_desc(xb + (u32)(kk * 16 * 128), BR * 128, 1024);
-            wgmma_ss<DA, 0, 1>(acc, da, db, 1);
-        }
+        for (int kk = 0; kk < BR / 16; ++kk)
+            wgmma_ss<DA, 0, 1>(acc, desc_plus(da0, (u32)(kk * 32)), desc_plus(db0, (u32)(kk * 16 * 128)), 1);
         wgmma_commit();
 #else
         // c_off is a multiple of 64 columns (eight chunks): the half starts on the swizzle's phase.
@@ -516,11 +536,20 @@ struct FlashBwd {
         const int wg = warp / 4, m0 = 64 * (wg / NSPLIT), n0 = NQ * (wg % NSPLIT);
         fence_operands(d);
         wgmma_fence();
+        if constexpr (SPLIT > 1) {
+            const u64 da0 = gmma_desc(sDS + (u32)((m0 / 64) * BC * 128), BC * 128, 1024);
+            const u64 db0 = gmma_desc(sK + (u32)((n0 / 64) * BC * 128 + (n0 % 64) * 2), BC * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            const u64 da = gmma_desc(sDS + (u32)((m0 / 64) * BC * 128 + kk * 16 * 128), BC * 128, 1024);
-            const u64 db = gmma_desc(sK + (u32)((n0 / 64) * BC * 128 + (n0 % 64) * 2 + kk * 16 * 128), BC * 128, 1024);
-            wgmma_ss<NQ, 1, 1>(d, da, db, kk > 0);
+            for (int kk = 0; kk < BC / 16; ++kk)
+                wgmma_ss<NQ, 1, 1>(d, desc_plus(da0, (u32)(kk * 16 * 128)), desc_plus(db0, (u32)(kk * 16 * 128)), kk > 0);
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                const u64 da = gmma_desc(sDS + (u32)((m0 / 64) * BC * 128 + kk * 16 * 128), BC * 128, 1024);
+                const u64 db =
+                    gmma_desc(sK + (u32)((n0 / 64) * BC * 128 + (n0 % 64) * 2 + kk * 16 * 128), BC * 128, 1024);
+                wgmma_ss<NQ, 1, 1>(d, da, db, kk > 0);
+            }
         }
         wgmma_commit();
     }
