@@ -491,26 +491,25 @@ impl BwdVariant {
 
     /// The Hopper (sm_90a) variant with the optional paths `extras` (some) compiled in: 64
     /// queries a tile; at d = 64 two warpgroups with Sᵀ and dPᵀ in flight together, at d = 128 one
-    /// warpgroup with dPᵀ issued after dV (the other arrangements spill).
+    /// warpgroup with dPᵀ issued after dV (the other arrangements spill), at d = 256 the two
+    /// warpgroups of [`BwdVariant::split`].
     pub fn hopper_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<BwdVariant> {
         if dtype == DType::F32 || !BWD_HEAD_DIMS.contains(&d) {
             return None;
         }
-        // d = 256: the two split warpgroups.
         let warps = if d == 128 { 4 } else { 8 };
         Some(BwdVariant { dtype, d, br: 64, warps, extras, wgmma: true })
     }
 
     /// The variant used on `arch` for `dtype`, head dim `d` and the optional paths `extras`: on
-    /// sm_90a the Hopper kernel ([`BwdVariant::hopper_for`], [`BwdVariant::hopper_extras_for`])
-    /// where it has the width, else [`BwdVariant::default_for`] with them.
+    /// sm_90a the Hopper kernel ([`BwdVariant::hopper_for`], [`BwdVariant::hopper_extras_for`]),
+    /// else [`BwdVariant::default_for`] with them.
     pub fn default_on(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths) -> Option<BwdVariant> {
-        let hopper = match (arch.has_wgmma(), extras.any()) {
+        match (arch.has_wgmma(), extras.any()) {
             (true, false) => BwdVariant::hopper_for(dtype, d),
             (true, true) => BwdVariant::hopper_extras_for(dtype, d, extras),
-            (false, _) => None,
-        };
-        hopper.or_else(|| BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras)))
+            (false, _) => BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras)),
+        }
     }
 
     /// This variant with the optional paths `extras` compiled in.
