@@ -233,6 +233,29 @@ pub fn compare(ours: &[f64], oracle: &[f64], naive: &[f64], dtype: DType) -> Com
     compare_with_magnitude(ours, oracle, naive, dtype, 0.0)
 }
 
+/// The numerics contract for FP8 inputs (docs/semantics.md, "FP8 inputs"):
+/// `max|ours - oracle| <= 2 · max|naive_fp8 - oracle| + eps_bf16 · max(1, max|oracle|)`.
+///
+/// `oracle` is [`reference::forward`] on the dequantized inputs (`f64` arithmetic), `naive_fp8`
+/// is [`reference::naive_fp8`] on the same inputs, and `eps_bf16` is [`DType::BF16`]'s
+/// [`DType::contract_eps`], since the output is `bf16`. The tolerance is set by the rounding of
+/// the probabilities to e4m3 for `P·V`, which `naive_fp8` models and which dwarfs the other
+/// roundings. Non-finite oracle values must be matched exactly, as in [`compare`].
+pub fn compare_fp8(ours: &[f64], oracle: &[f64], naive_fp8: &[f64]) -> Comparison {
+    compare(ours, oracle, naive_fp8, DType::BF16)
+}
+
+/// [`compare_fp8`] for the `out` (`bf16`) and `lse` of an FP8 forward, against the oracle and
+/// [`reference::naive_fp8`] on the dequantized inputs.
+pub fn report_fp8(out: &[bf16], lse: &[f32], oracle: &Reference, naive_fp8: &Reference) -> CaseReport {
+    let out: Vec<f64> = out.iter().map(|x| x.to_f64()).collect();
+    let lse: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
+    CaseReport {
+        out: compare_fp8(&out, &oracle.out, &naive_fp8.out),
+        lse: compare_fp8(&lse, &oracle.lse, &naive_fp8.lse),
+    }
+}
+
 /// Largest finite `|x|`.
 pub fn max_abs(xs: &[f64]) -> f64 {
     xs.iter().filter(|x| x.is_finite()).fold(0.0, |m, x| m.max(x.abs()))

@@ -145,6 +145,15 @@ pub enum Error {
     #[error("dropout probability must be in [0, 1), got {0}")]
     Dropout(f32),
 
+    /// An FP8 descale factor that is not a positive finite number.
+    #[error("FP8 descale factor of `{tensor}` must be a positive finite number, got {value}")]
+    Fp8Scale {
+        /// `q`, `k` or `v`.
+        tensor: &'static str,
+        /// The factor given.
+        value: f32,
+    },
+
     /// Inputs of a backward pass that do not belong to the forward pass they claim to follow.
     #[error("backward does not match its forward: {0}")]
     Mismatch(String),

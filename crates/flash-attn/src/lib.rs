@@ -43,6 +43,8 @@
 //! - [`forward`] / [`forward_into`] run on the CPU and return `out` and `lse`;
 //! - [`backward`] / [`forward_train`] + [`Saved::backward`] give the gradients by recomputation,
 //!   with dropout from [`philox`] regenerated rather than stored;
+//! - [`forward_fp8`] runs the forward on FP8 (e4m3) inputs with per-tensor descale factors
+//!   ([`mod@fp8`]), output in bf16;
 //! - [`mask`] is the one module deciding visibility and which tiles run;
 //! - [`check`] runs random cases against the oracle under the numerics contract;
 //! - [`kvcache`] is inference over a KV cache (contiguous or paged, in-place append, rotary,
@@ -57,6 +59,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
+pub mod fp8;
 pub mod io_model;
 pub mod kvcache;
 pub mod mask;
@@ -69,6 +72,7 @@ pub mod tensor;
 pub use dtype::{DType, Element};
 use error::{numel, try_vec};
 pub use error::{Error, Result};
+pub use fp8::{forward_fp8, Fp8E4m3, Fp8Scales};
 pub use spec::{AttentionSpec, BlockMask, Causal, Dropout, Geometry, Sequence};
 pub use tensor::{Tensor, TensorMut};
 

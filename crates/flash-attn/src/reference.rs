@@ -7,10 +7,14 @@
 //!   dtype, softmax in `f32`, probabilities rounded to the dtype, `P·V` accumulated in `f32` and
 //!   rounded. Its error against [`forward`] sets the tolerance of the numerics contract.
 //!
+//! A third, [`naive_fp8`], is Algorithm 0 as an FP8 tensor-core kernel computes it (unnormalised
+//! `P` rounded to e4m3 for `P·V`, output in bf16): the `naive_T` of the FP8 contract.
+//!
 //! Used by tests, `flash-attn check` and debugging; never on a hot path.
 
 use crate::dtype::Element;
 use crate::error::Result;
+use crate::fp8::Fp8E4m3;
 use crate::philox::DropoutRng;
 use crate::spec::{AttentionSpec, Geometry, RowLayout, Sequence};
 use crate::tensor::Tensor;
@@ -88,7 +92,7 @@ pub fn forward<T: Element>(
     v: &Tensor<'_, T>,
 ) -> Result<Reference> {
     let g = Geometry::new(spec, q, k, v)?;
-    Ok(Oracle::<f64, T>::new(&g, q, k, v, |x| x).forward())
+    Ok(Oracle::<f64, T>::new(&g, q, k, v, Rounding::exact()).forward())
 }
 
 /// Algorithm 0 in the input dtype with `f32` accumulation (`naive_T` of the numerics contract).
@@ -99,7 +103,23 @@ pub fn naive<T: Element>(
     v: &Tensor<'_, T>,
 ) -> Result<Reference> {
     let g = Geometry::new(spec, q, k, v)?;
-    Ok(Oracle::<f32, T>::new(&g, q, k, v, round_to::<T>).forward())
+    Ok(Oracle::<f32, T>::new(&g, q, k, v, Rounding::dtype::<T>()).forward())
+}
+
+/// Algorithm 0 as an FP8 tensor-core kernel computes it (`naive_fp8` of the FP8 numerics
+/// contract, docs/semantics.md "FP8 inputs"), on the dequantized inputs (`q · descale_q`, ...):
+/// scores in `f32`, not rounded; softmax in `f32` with the row max subtracted; the row sum `l`
+/// from the unrounded `exp(s - max)`; those same probabilities rounded to e4m3 for `P·V` (as the
+/// kernel feeds them to an FP8 matrix multiply), `P·V` accumulated in `f32`, divided by `l` and
+/// rounded to `bf16`. `lse` is that of the unrounded scores.
+pub fn naive_fp8(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, f32>,
+    k: &Tensor<'_, f32>,
+    v: &Tensor<'_, f32>,
+) -> Result<Reference> {
+    let g = Geometry::new(spec, q, k, v)?;
+    Ok(Oracle::<f32, f32>::new(&g, q, k, v, Rounding::fp8()).forward())
 }
 
 /// The backward pass of Algorithm 0 in `f64`: explicit chain rule through `S` and `P`.
@@ -113,7 +133,7 @@ pub fn backward<T: Element>(
 ) -> Result<ReferenceGrads> {
     let g = Geometry::new(spec, q, k, v)?;
     let dout = g.check_grad_input(dout)?;
-    Ok(Oracle::<f64, T>::new(&g, q, k, v, |x| x).backward(dout))
+    Ok(Oracle::<f64, T>::new(&g, q, k, v, Rounding::exact()).backward(dout))
 }
 
 /// The backward pass of Algorithm 0 in the input dtype with `f32` accumulation (`naive_T`).
@@ -126,27 +146,70 @@ pub fn naive_backward<T: Element>(
 ) -> Result<ReferenceGrads> {
     let g = Geometry::new(spec, q, k, v)?;
     let dout = g.check_grad_input(dout)?;
-    Ok(Oracle::<f32, T>::new(&g, q, k, v, round_to::<T>).backward(dout))
+    Ok(Oracle::<f32, T>::new(&g, q, k, v, Rounding::dtype::<T>()).backward(dout))
 }
 
 fn round_to<T: Element>(x: f32) -> f32 {
     T::from_f32(x).to_f32()
 }
 
-/// One instance of Algorithm 0: arithmetic `R`, inputs `T`, and `round` modelling an intermediate
-/// stored in the input dtype (identity for the `f64` oracle).
+fn round_to_fp8(x: f32) -> f32 {
+    Fp8E4m3::from_f32(x).to_f32()
+}
+
+/// How an instance of Algorithm 0 stores its intermediates: each function models one rounding
+/// (the identity for the `f64` oracle).
+#[derive(Clone, Copy)]
+struct Rounding<R> {
+    /// The scaled score `scale · q·k`, before softcap and ALiBi.
+    score: fn(R) -> R,
+    /// The probabilities (after dropout) as they enter `P·V`.
+    p: fn(R) -> R,
+    /// `true`: `P·V` takes `exp(s - max)` (rounded by `p`) and is divided by the row sum of the
+    /// unrounded values afterwards, as a tiled kernel does. `false`: Algorithm 0's
+    /// `P = exp(s - max) / sum` is rounded and multiplied with `V`.
+    normalize_after_pv: bool,
+    /// `out`; in the backward pass also `dP`, `dS` and the gradients.
+    out: fn(R) -> R,
+}
+
+impl<R> Rounding<R> {
+    /// Nothing rounded: the `f64` oracle.
+    fn exact() -> Self {
+        Rounding { score: |x| x, p: |x| x, normalize_after_pv: false, out: |x| x }
+    }
+}
+
+impl Rounding<f32> {
+    /// Every intermediate stored in dtype `T` (`naive_T`).
+    fn dtype<T: Element>() -> Self {
+        let r = round_to::<T>;
+        Rounding { score: r, p: r, normalize_after_pv: false, out: r }
+    }
+
+    /// An FP8 kernel (`naive_fp8`): scores in `f32`, unnormalised `P` in e4m3, `out` in bf16.
+    fn fp8() -> Self {
+        Rounding { score: |x| x, p: round_to_fp8, normalize_after_pv: true, out: round_to::<half::bf16> }
+    }
+}
+
+/// One instance of Algorithm 0: arithmetic `R`, inputs `T`, and the roundings `round` modelling
+/// intermediates stored in a narrower type.
 struct Oracle<'g, 'a, R, T> {
     g: &'g Geometry<'a>,
     q: &'g [T],
     k: &'g [T],
     v: &'g [T],
-    round: fn(R) -> R,
+    round: Rounding<R>,
 }
 
 /// `S` and `P` of one `(sequence, head)`, materialised.
 struct Probs<R> {
-    /// `P = softmax(S)`, `sq × sk`, before dropout.
+    /// `P = softmax(S)`, `sq × sk`, before dropout; with `normalize_after_pv`, the unnormalised
+    /// `exp(s - max)`, unrounded.
     p: Vec<R>,
+    /// Row sums of the unrounded `exp(s - max)` (0 for rows that see no key).
+    sum: Vec<R>,
     /// Dropout factor `keep / (1 - p)` per element (empty without dropout).
     keep: Vec<R>,
     /// `tanh(s / c)` per element, for the softcap derivative (empty without softcap).
@@ -161,7 +224,7 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         q: &'g Tensor<'_, T>,
         k: &'g Tensor<'_, T>,
         v: &'g Tensor<'_, T>,
-        round: fn(R) -> R,
+        round: Rounding<R>,
     ) -> Self {
         Oracle { g, q: q.data(), k: k.data(), v: v.data(), round }
     }
@@ -172,7 +235,7 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
 
     /// DESIGN §2 steps 1-5 for query head `h` of `seq`.
     fn probs(&self, seq: &Sequence, h: usize) -> Probs<R> {
-        let (g, round) = (self.g, &self.round);
+        let (g, round) = (self.g, self.round);
         let (sq, sk) = (seq.sq, seq.sk);
         let off = seq.offset();
         let hk = g.kv_head(h);
@@ -191,7 +254,7 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
                 for x in 0..g.d {
                     dot = dot + Self::x(self.q, qi + x) * Self::x(self.k, kj + x);
                 }
-                let mut sij = round(scale * dot);
+                let mut sij = (round.score)(scale * dot);
                 if let Some(c) = cap {
                     let t = (sij / c).tanh();
                     tanh.push(t);
@@ -206,6 +269,7 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         }
         // P = softmax(S) row by row (step 5); P overwrites S.
         let mut lse = vec![f64::NEG_INFINITY; sq];
+        let mut sums = vec![R::ZERO; sq];
         for (i, row) in p.chunks_mut(sk.max(1)).take(sq).enumerate() {
             // The row maximum, NaN if any score is NaN (so NaN inputs propagate).
             #[allow(clippy::eq_op)]
@@ -220,8 +284,11 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
                 sum = sum + *x;
             }
             lse[i] = (m + sum.ln()).to_f64();
-            for x in row.iter_mut() {
-                *x = round(*x / sum);
+            sums[i] = sum;
+            if !round.normalize_after_pv {
+                for x in row.iter_mut() {
+                    *x = (round.p)(*x / sum);
+                }
             }
         }
         // Dropout factors (step 6), from the same Philox stream as every backend.
@@ -240,14 +307,16 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
                 keep
             }
         };
-        Probs { p, keep, tanh, lse }
+        Probs { p, sum: sums, keep, tanh, lse }
     }
 
-    /// `P'` of element `e`: the probability after dropout, as stored in the dtype.
+    /// `P'` of element `e`: the probability after dropout, as `P·V` reads it.
     fn dropped(&self, pr: &Probs<R>, e: usize) -> R {
         match pr.keep.get(e) {
-            Some(&f) => (self.round)(pr.p[e] * f),
-            None => pr.p[e],
+            Some(&f) => (self.round.p)(pr.p[e] * f),
+            // Algorithm 0's `P` was rounded when it was normalised.
+            None if !self.round.normalize_after_pv => pr.p[e],
+            None => (self.round.p)(pr.p[e]),
         }
     }
 
@@ -274,7 +343,11 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
                             let vj = g.v.row(seq, seq.k_start, j, hk);
                             acc = acc + self.dropped(&pr, i * seq.sk + j) * Self::x(self.v, vj + x);
                         }
-                        out[oi + x] = (self.round)(acc).to_f64();
+                        // (A row whose sum is 0 saw no key with a finite score: its P is 0.)
+                        if self.round.normalize_after_pv && pr.sum[i] > R::ZERO {
+                            acc = acc / pr.sum[i];
+                        }
+                        out[oi + x] = (self.round.out)(acc).to_f64();
                     }
                 }
             }
@@ -283,6 +356,8 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
     }
 
     fn backward(&self, dout: (&[T], RowLayout)) -> ReferenceGrads {
+        // The chain rule below reads the normalised `P` that Algorithm 0 stores.
+        debug_assert!(!self.round.normalize_after_pv, "no backward for a deferred-normalisation oracle");
         let g = self.g;
         let (d, dv) = (g.d, g.dv);
         let (dout, dl) = dout;
@@ -305,7 +380,7 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
                         for x in 0..dv {
                             acc = acc + Self::x(dout, oi + x) * Self::x(self.v, vj + x);
                         }
-                        *dpj = (self.round)(acc);
+                        *dpj = (self.round.out)(acc);
                         if let Some(&f) = pr.keep.get(i * sk + j) {
                             *dpj = *dpj * f;
                         }
@@ -323,7 +398,7 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
                             let t = (kt * g.hk + hk) * dv + x;
                             dvv[t] = dvv[t] + pd * Self::x(dout, oi + x);
                         }
-                        let mut ds = (self.round)(row[j] * (dp[j] - dsum));
+                        let mut ds = (self.round.out)(row[j] * (dp[j] - dsum));
                         if let Some(&t) = pr.tanh.get(e) {
                             ds = ds * (R::from_f32(1.0) - t * t); // d(c·tanh(x/c))/dx
                         }
@@ -339,7 +414,7 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
                 }
             }
         }
-        let widen = |v: Vec<R>| v.into_iter().map(|x| (self.round)(x).to_f64()).collect();
+        let widen = |v: Vec<R>| v.into_iter().map(|x| (self.round.out)(x).to_f64()).collect();
         ReferenceGrads { dq: widen(dq), dk: widen(dk), dv: widen(dvv) }
     }
 }
@@ -370,5 +445,37 @@ mod tests {
         let r = forward(&AttentionSpec::new(), &qt, &kt, &vt).unwrap();
         assert!((r.out[0] - 2.0).abs() < 1e-15);
         assert!((r.lse[0] - (2.0 + 2f64.ln())).abs() < 1e-15);
+    }
+
+    #[test]
+    fn naive_fp8_rounds_the_unnormalised_probabilities_and_divides_by_their_unrounded_sum() {
+        // Scores 0 and ln 0.3: P·V sees e4m3(1) = 1 and e4m3(0.3) = 0.3125; the sum stays 1.3.
+        let q = [1.0f32];
+        let k = [0.0f32, 0.3f32.ln()];
+        let v = [0.0f32, 1.0];
+        let (qt, kt, vt) =
+            (Tensor::new(&q, &[1, 1, 1, 1]), Tensor::new(&k, &[1, 2, 1, 1]), Tensor::new(&v, &[1, 2, 1, 1]));
+        let spec = AttentionSpec::new().scale(1.0);
+        let r = naive_fp8(&spec, &qt, &kt, &vt).unwrap();
+        let sum = 1.0 + k[1].exp();
+        assert_eq!(Fp8E4m3::from_f32(k[1].exp()).to_f32(), 0.3125);
+        assert_eq!(r.out, vec![half::bf16::from_f32(0.3125 / sum).to_f64()]);
+        assert_eq!(r.lse, vec![sum.ln() as f64]);
+        // The oracle has 0.3 / 1.3 exactly; rounding the normalised P instead would give 0.234375.
+        let exact = forward(&spec, &qt, &kt, &vt).unwrap();
+        assert!((exact.out[0] - 0.3 / 1.3).abs() < 1e-7);
+    }
+
+    #[test]
+    fn naive_fp8_gives_zero_output_for_a_row_that_sees_no_key() {
+        let (q, k, v) = ([1.0f32; 2], [1.0f32; 3], [2.0f32; 3]);
+        let (qt, kt, vt) =
+            (Tensor::new(&q, &[1, 2, 1, 1]), Tensor::new(&k, &[1, 3, 1, 1]), Tensor::new(&v, &[1, 3, 1, 1]));
+        // Blocks of one query row and three keys: row 0 sees no key, row 1 all three.
+        let mask = [0u8, 1];
+        let spec = AttentionSpec::new().block_mask(Tensor::new(&mask, &[2, 1]), 1, 3);
+        let r = naive_fp8(&spec, &qt, &kt, &vt).unwrap();
+        assert_eq!(r.out, vec![0.0, 2.0]);
+        assert_eq!(r.lse[0], f64::NEG_INFINITY);
     }
 }
