@@ -7,8 +7,12 @@
 //!                  [--pass fwd|bwd] [--deterministic] [--dropout P] [--softcap C]
 //!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048; `bwd`
 //!                                          times the backward pass alone (FLOPs 2.5 × forward)
-//! cuda_bench sanitize                      a few small forward and backward launches (dropout,
-//!                                          deterministic), for compute-sanitizer
+//! cuda_bench sanitize [fp8]                a few small forward and backward launches (dropout,
+//!                                          deterministic), for compute-sanitizer (`fp8`: the FP8
+//!                                          forward's alone)
+//! cuda_bench bench-fp8 [--d 128] [--seqs ..] [--causal both] [--reps N]
+//!                                          the FP8 (e4m3) forward (both kernels) and the bf16
+//!                                          forward on the same shapes, one after another per rep
 //! ```
 //! Benchmark lines are JSON in BENCH.md's contract (`device, dtype, b, hq, hk, sq, sk, d, causal,
 //! fwd_ms`) plus `tflops`, `variant`, `dropout` and `softcap` (null when off); times are medians
@@ -29,7 +33,8 @@ fn main() {
             args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1),
         ),
         "bench" => bench(&args[1..]),
-        "sanitize" => sanitize(),
+        "sanitize" => sanitize(args.get(1).map(String::as_str) == Some("fp8")),
+        "bench-fp8" => bench_fp8(&args[1..]),
         other => {
             eprintln!("unknown command `{other}`");
             std::process::exit(2);
@@ -171,8 +176,24 @@ fn use_paths(c: &mut Case, extras: ExtraPaths) {
     }
 }
 
-fn sanitize() -> Result<()> {
+fn sanitize(fp8_only: bool) -> Result<()> {
     let mut rng = Rng::new(7);
+    let arch = cuda::default_device()?.arch().clone();
+    // The FP8 forward (sm_90a): both tile widths, causal and not, GQA, lengths past a tile's end.
+    if arch.has_wgmma() {
+        for (i, (d, causal)) in
+            [(128, Causal::BottomRight), (80, Causal::None), (256, Causal::TopLeft)].into_iter().enumerate()
+        {
+            for ws in [true, false] {
+                let variant = cuda::Fp8Variant::for_head_dim(d).map(|v| cuda::Fp8Variant { ws, ..v });
+                let passed = fp8_case(&mut rng, [2, 131, 4, d], [2, 200, 2, d], causal, variant)?;
+                println!("sanitize fp8 case {i} d {d} {causal:?} ws {ws}: {}", if passed { "pass" } else { "FAIL" });
+            }
+        }
+    }
+    if fp8_only {
+        return Ok(());
+    }
     for (i, (d, causal, varlen)) in [
         (64, Causal::None, false),
         (128, Causal::BottomRight, false),
@@ -220,7 +241,6 @@ fn sanitize() -> Result<()> {
     }
     // One launch of every forward variant the device runs (the defaults above are the Hopper
     // kernels on sm_90a: this keeps the mma.sync ones under the sanitizer too).
-    let arch = cuda::default_device()?.arch().clone();
     for (i, variant) in Variant::all().into_iter().filter(|v| v.runs_on(&arch)).enumerate() {
         let mut c = random_case(&mut rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
@@ -516,5 +536,141 @@ fn bench_bwd<T: cuda::CudaElement>(
         flops / ms / 1e9,
         extras.json()
     );
+    Ok(())
+}
+
+/// One FP8 forward on random inputs of these shapes against the oracle (the FP8 contract).
+fn fp8_case(
+    rng: &mut Rng,
+    shape_q: [usize; 4],
+    shape_kv: [usize; 4],
+    causal: Causal,
+    variant: Option<cuda::Fp8Variant>,
+) -> Result<bool> {
+    let mut tensor = |n: usize| {
+        let x: Vec<f32> = (0..n).map(|_| (2.0 * rng.normal()) as f32).collect();
+        flash_attn::fp8::quantize(&x)
+    };
+    let (q, k, v) =
+        (tensor(shape_q.iter().product()), tensor(shape_kv.iter().product()), tensor(shape_kv.iter().product()));
+    let spec = AttentionSpec::new().causal_mode(causal);
+    let scales = flash_attn::Fp8Scales { q: q.1, k: k.1, v: v.1 };
+    let ours = cuda::forward_fp8_host_variant(
+        &spec,
+        &flash_attn::Tensor::new(&q.0, &shape_q),
+        &flash_attn::Tensor::new(&k.0, &shape_kv),
+        &flash_attn::Tensor::new(&v.0, &shape_kv),
+        scales,
+        variant,
+    )?;
+    let deq = |x: &(Vec<flash_attn::Fp8E4m3>, f32)| flash_attn::fp8::dequantize(&x.0, x.1);
+    let (dq, dk, dv) = (deq(&q), deq(&k), deq(&v));
+    let (tq, tk, tv) = (
+        flash_attn::Tensor::new(&dq, &shape_q),
+        flash_attn::Tensor::new(&dk, &shape_kv),
+        flash_attn::Tensor::new(&dv, &shape_kv),
+    );
+    let oracle = reference::forward(&spec, &tq, &tk, &tv)?;
+    let naive = reference::naive_fp8(&spec, &tq, &tk, &tv)?;
+    Ok(flash_attn::check::report_fp8(&ours.out, &ours.lse, &oracle, &naive).passed())
+}
+
+/// The FP8 forward (the whole call: V's transpose and the kernel) and the bf16 forward on BENCH.md's
+/// `gpu` shapes (b·s = 16k, hq·d = 2048), one run of each after the other per rep; medians.
+fn bench_fp8(args: &[String]) -> Result<()> {
+    let causals = match arg(args, "--causal", "both") {
+        "yes" => vec![true],
+        "no" => vec![false],
+        _ => vec![false, true],
+    };
+    let dims: Vec<usize> = arg(args, "--d", "128").split(',').filter_map(|s| s.parse().ok()).collect();
+    let seqs: Vec<usize> = arg(args, "--seqs", "1024,4096,16384").split(',').filter_map(|s| s.parse().ok()).collect();
+    let reps: usize = arg(args, "--reps", "20").parse().unwrap_or(20);
+    let dev = cuda::default_device()?;
+    let de = |e| flash_attn::Error::CudaLaunch(format!("{e:?}"));
+    for &d in &dims {
+        for &s in &seqs {
+            for &causal in &causals {
+                let (b, hq) = (16384 / s, 2048 / d);
+                let n = b * s * hq * d;
+                let shape = [b, s, hq, d];
+                let mut rng = Rng::new(s as u64 * 37 + d as u64);
+                let x: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+                let (x8, scale) = flash_attn::fp8::quantize(&x);
+                let bytes: Vec<u8> = x8.iter().map(|e| e.to_bits()).collect();
+                let halves: Vec<bf16> = x.iter().map(|&e| bf16::from_f32(e)).collect();
+                let stream = dev.stream();
+                let q8 = stream.clone_htod(&bytes).map_err(de)?;
+                let k8 = stream.clone_htod(&[&bytes[n / 3..], &bytes[..n / 3]].concat()).map_err(de)?;
+                let v8 = stream.clone_htod(&[&bytes[n / 2..], &bytes[..n / 2]].concat()).map_err(de)?;
+                let q = dev.upload(&halves)?;
+                let k = dev.upload(&[&halves[n / 3..], &halves[..n / 3]].concat())?;
+                let v = dev.upload(&[&halves[n / 2..], &halves[..n / 2]].concat())?;
+                let mut out = stream.alloc_zeros::<bf16>(n).map_err(de)?;
+                let mut lse = stream.alloc_zeros::<f32>(b * hq * s).map_err(de)?;
+                let spec = if causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+                let scales = flash_attn::Fp8Scales { q: scale, k: scale, v: scale };
+                let fp8_variants =
+                    [None, cuda::Fp8Variant::for_head_dim(d).map(|v| cuda::Fp8Variant { ws: false, ..v })];
+                let mut run = |which: usize| -> Result<()> {
+                    let mut ot = DeviceTensorMut::new(out.as_view_mut(), &shape);
+                    let mut lv = lse.as_view_mut();
+                    if which > 0 {
+                        let (qt, kt, vt) = (
+                            DeviceTensor::new(q8.as_view(), &shape),
+                            DeviceTensor::new(k8.as_view(), &shape),
+                            DeviceTensor::new(v8.as_view(), &shape),
+                        );
+                        dev.forward_fp8_variant(&spec, &qt, &kt, &vt, scales, &mut ot, &mut lv, fp8_variants[which - 1])
+                    } else {
+                        let (qt, kt, vt) = (
+                            DeviceTensor::new(q.as_view(), &shape),
+                            DeviceTensor::new(k.as_view(), &shape),
+                            DeviceTensor::new(v.as_view(), &shape),
+                        );
+                        dev.forward(&spec, &qt, &kt, &vt, &mut ot, &mut lv)
+                    }
+                };
+                for _ in 0..3 {
+                    for which in 0..3 {
+                        run(which)?;
+                    }
+                }
+                stream.synchronize().map_err(de)?;
+                let ctx = dev.context();
+                let mut times = [Vec::with_capacity(reps), Vec::with_capacity(reps), Vec::with_capacity(reps)];
+                for _ in 0..reps {
+                    for (which, times) in times.iter_mut().enumerate() {
+                        let ev = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
+                        let (start, end) = (ev().map_err(de)?, ev().map_err(de)?);
+                        start.record(stream).map_err(de)?;
+                        run(which)?;
+                        end.record(stream).map_err(de)?;
+                        end.synchronize().map_err(de)?;
+                        times.push(start.elapsed_ms(&end).map_err(de)? as f64);
+                    }
+                }
+                let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+                let mut med = [0.0; 3];
+                let names = fp8_variants.map(|v| v.or_else(|| cuda::Fp8Variant::for_head_dim(d)).map(|v| v.name()));
+                for (which, dtype) in [(0, "bf16"), (1, "fp8e4m3"), (2, "fp8e4m3")] {
+                    let variant = if which == 0 { None } else { names[which - 1].clone() };
+                    times[which].sort_by(f64::total_cmp);
+                    let ms = times[which][times[which].len() / 2];
+                    med[which] = ms;
+                    println!(
+                        "{{\"device\":\"cuda\",\"dtype\":\"{dtype}\",\"b\":{b},\"hq\":{hq},\"hk\":{hq},\"sq\":{s},\"sk\":{s},\"d\":{d},\"causal\":{causal},\"fwd_ms\":{ms:.5},\"tflops\":{:.1},\"variant\":\"{}\"}}",
+                        flops / ms / 1e9,
+                        variant.unwrap_or_default()
+                    );
+                }
+                println!(
+                    "fp8 / bf16 speed d {d} s {s} causal {causal}: {:.3} (not warp-specialised: {:.3})",
+                    med[0] / med[1],
+                    med[0] / med[2]
+                );
+            }
+        }
+    }
     Ok(())
 }

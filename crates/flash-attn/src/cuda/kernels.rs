@@ -30,6 +30,23 @@ pub(crate) fn backward_source() -> String {
     .join("\n")
 }
 
+/// The FP8 forward's program: the forward's helpers and parameter block (its own `flash_fwd`
+/// entry compiled out by `FA_FP8`), the e4m3 warpgroup MMAs, and `flash_fwd_fp8` with the V
+/// transpose it reads (`fp8_transpose_v`).
+pub(crate) fn fp8_forward_source() -> String {
+    [
+        include_str!("kernels/tile.cuh"),
+        include_str!("kernels/mask.cuh"),
+        include_str!("kernels/philox.cuh"),
+        include_str!("kernels/softmax.cuh"),
+        include_str!("kernels/wgmma.cuh"),
+        include_str!("kernels/flash_fwd.cuh"),
+        include_str!("kernels/wgmma_fp8.cuh"),
+        include_str!("kernels/flash_fwd_fp8.cuh"),
+    ]
+    .join("\n")
+}
+
 /// The optional paths a kernel variant has compiled in (the kernels' `FA_EXTRAS` bits): a
 /// problem runs on a variant that holds every path it uses and, by default, on the one that holds
 /// nothing else, so that one feature's registers and instructions are not paid by problems that
@@ -556,5 +573,107 @@ impl BwdVariant {
             }
         }
         v
+    }
+}
+
+/// Tile widths of the FP8 forward (e4m3 inputs, sm_90a): a row of q or k is one or two 128-byte
+/// swizzle rows. Head dims up to 128 run on the 128 tile, up to 256 on the 256 one (multiples of
+/// 16: tiles move in 16-byte chunks of 16 elements).
+pub const FP8_HEAD_DIMS: [usize; 2] = [128, 256];
+
+/// One compiled instance of the FP8 forward (`flash_fwd_fp8.cuh`): e4m3 q, k, v, bf16 output, on
+/// Hopper's 8-bit warpgroup MMAs (sm_90a only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fp8Variant {
+    /// Tile width: one of [`FP8_HEAD_DIMS`].
+    pub d: usize,
+    /// Keys per key/value tile: 128 (a row of the transposed V tile is one 128-byte swizzle row).
+    pub bc: usize,
+    /// Warps per block, a multiple of 4 (a warpgroup's 64 query rows each); the warp-specialised
+    /// kernel adds a producer warpgroup to its two consumer warpgroups.
+    pub warps: usize,
+    /// Whether this is the warp-specialised kernel (`FA_WS`: TMA loads by a producer warpgroup
+    /// into a ring of mbarrier-guarded stages, the consumer warpgroups taking turns at the tensor
+    /// cores) rather than the one whose warps all load and compute (`cp.async`, a block-wide
+    /// barrier per key tile).
+    pub ws: bool,
+}
+
+impl Fp8Variant {
+    /// The variant for head dim `d` (a multiple of 16 up to 256): two warpgroups (128 query rows),
+    /// 128 keys a tile, on the smallest of [`FP8_HEAD_DIMS`] holding `d`.
+    pub fn for_head_dim(d: usize) -> Option<Fp8Variant> {
+        if d == 0 || !d.is_multiple_of(16) {
+            return None;
+        }
+        let width = FP8_HEAD_DIMS.iter().copied().find(|&w| w >= d)?;
+        Some(Fp8Variant { d: width, bc: 128, warps: 8, ws: true })
+    }
+
+    /// Query rows per block (the consumer warps' rows in the warp-specialised kernel).
+    pub fn block_rows(&self) -> usize {
+        self.warps * 16
+    }
+
+    /// Threads per block: the warp-specialised kernel adds its producer warpgroup.
+    pub fn threads(&self) -> usize {
+        self.warps * 32 + if self.ws { 128 } else { 0 }
+    }
+
+    /// Stages of the warp-specialised kernel's ring of (K, Vᵀ) tiles (`STAGES` in
+    /// `flash_fwd_fp8.cuh`, which must agree); the other kernel double-buffers.
+    pub fn stages(&self) -> usize {
+        if !self.ws {
+            2
+        } else if self.d <= 128 {
+            4
+        } else {
+            2
+        }
+    }
+
+    /// Dynamic shared memory: the Q tile and the stages of K and transposed V tiles (one byte an
+    /// element), the warp-specialised kernel's mbarriers, and 1 KiB of slack to align the tiles to
+    /// the 128-byte swizzle's 1024-byte period.
+    pub fn smem_bytes(&self) -> usize {
+        let bars = if self.ws { 8 * (1 + 2 * self.stages()) } else { 0 };
+        (self.block_rows() + 2 * self.stages() * self.bc) * self.d + bars + 1024
+    }
+
+    /// A name that says everything that changes the binary, e.g.
+    /// `flash_fwd_fp8e4m3_d128_n128_w8_h_ws` (`_ws`: warp-specialised).
+    pub fn name(&self) -> String {
+        let ws = if self.ws { "_ws" } else { "" };
+        format!("flash_fwd_fp8e4m3_d{}_n{}_w{}_h{ws}", self.d, self.bc, self.warps)
+    }
+
+    /// Whether the variant runs on `arch`: e4m3 warpgroup MMAs exist on sm_90a only.
+    pub fn runs_on(&self, arch: &Arch) -> bool {
+        arch.has_wgmma()
+    }
+
+    /// NVRTC options selecting this variant.
+    pub fn options(&self) -> Vec<String> {
+        vec![
+            "--std=c++17".into(),
+            "-Xptxas".into(),
+            "-v".into(),
+            format!("-DFA_D={}", self.d),
+            "-DFA_MT=1".into(),
+            format!("-DFA_BC={}", self.bc),
+            format!("-DFA_WARPS={}", self.warps),
+            "-DFA_BF16=1".into(),
+            "-DFA_EXTRAS=0".into(),
+            "-DFA_WGMMA=1".into(),
+            "-DFA_FP8=1".into(),
+            format!("-DFA_WS={}", u8::from(self.ws)),
+        ]
+    }
+
+    /// Every FP8 variant that is compiled by `compile_all`: each width warp-specialised (the
+    /// default) and not (kept for comparison).
+    pub fn all() -> Vec<Fp8Variant> {
+        let ws = FP8_HEAD_DIMS.iter().filter_map(|&d| Fp8Variant::for_head_dim(d));
+        ws.flat_map(|v| [v, Fp8Variant { ws: false, ..v }]).collect()
     }
 }

@@ -9,7 +9,7 @@ use cudarc::driver::{
 use super::nvrtc::Arch;
 use super::{
     driver_error, padded_head_dim, tile_width, BwdVariant, CudaElement, Device, DeviceTensor, DeviceTensorMut,
-    ExtraPaths, Variant,
+    ExtraPaths, Fp8Variant, Variant,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -284,6 +284,41 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     variant.ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
 }
 
+/// Whether the FP8 forward kernel can run this problem (any GPU): what it leaves out is a typed
+/// error, said before a device is opened.
+pub(crate) fn check_fp8_supported(g: &Geometry<'_>) -> Result<Fp8Variant> {
+    let unsupported = |what: &str| Err(Error::Unsupported(format!("the CUDA FP8 forward does not support {what} yet")));
+    if g.varlen {
+        return unsupported("varlen batches");
+    }
+    let extras = needs_extras(g);
+    if extras.any() {
+        return unsupported("dropout, softcap, ALiBi or block masks");
+    }
+    if g.d != g.dv {
+        return unsupported(&format!("d = {} with dv = {}", g.d, g.dv));
+    }
+    Fp8Variant::for_head_dim(g.d).ok_or(Error::HeadDim {
+        tensor: "q",
+        dim: g.d,
+        backend: "cuda fp8 forward (multiples of 16)",
+        min: 16,
+        max: 256,
+    })
+}
+
+/// The FP8 forward variant for this problem on `arch`, or why it cannot run there.
+pub(crate) fn fp8_supported(g: &Geometry<'_>, arch: &Arch) -> Result<Fp8Variant> {
+    let variant = check_fp8_supported(g)?;
+    if !variant.runs_on(arch) {
+        return Err(Error::Unsupported(format!(
+            "the CUDA FP8 forward needs sm_90a (Hopper's 8-bit warpgroup MMAs); this GPU is {}",
+            arch.0
+        )));
+    }
+    Ok(variant)
+}
+
 /// The backward variant for this problem, or why the CUDA backward cannot run it.
 pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<BwdVariant> {
     let width = check_supported(g, dtype, true)?;
@@ -444,6 +479,254 @@ pub(crate) fn forward<T: CudaElement>(
     // the sync guards above keep them ordered on this stream until the launch is enqueued.
     unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd", e))?;
     fill_varlen_tail(stream, g, (op, o_layout, elem), lp)
+}
+
+/// The FP8 forward's kernels: `flash_fwd_fp8` and the V transpose it reads.
+#[derive(Clone)]
+pub(crate) struct Fp8Functions {
+    pub forward: CudaFunction,
+    pub transpose_v: CudaFunction,
+}
+
+/// The FP8 kernel's parameters; field for field `Fp8FwdParams` in `kernels/flash_fwd_fp8.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Fp8FwdParams {
+    base: FwdParams,
+    v_descale: f32,
+}
+
+/// `Fp8TransposeParams` in `kernels/flash_fwd_fp8.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Fp8TransposeParams {
+    v: u64,
+    vt: u64,
+    v_batch: i64,
+    v_row: i64,
+    v_head: i64,
+    vt_plane: i64,
+    hk: i32,
+    sk: i32,
+    d: i32,
+    sk_pad: i32,
+}
+
+/// `TmaDesc` in `kernels/flash_fwd_fp8.cuh`: a `CUtensorMap`'s 128 bytes, 128-byte aligned.
+#[repr(C, align(128))]
+#[derive(Debug, Clone, Copy)]
+struct TmaDesc([u64; 16]);
+
+/// The warp-specialised FP8 kernel's parameters; field for field `Fp8WsParams`.
+#[repr(C, align(128))]
+#[derive(Debug, Clone, Copy)]
+struct Fp8WsParams {
+    q: TmaDesc,
+    k: TmaDesc,
+    vt: TmaDesc,
+    f: Fp8FwdParams,
+}
+
+/// A TMA descriptor for an e4m3 tensor at `ptr` with sizes `dims` (innermost first, in bytes for
+/// the first), byte strides `strides` of the outer dimensions, copied in boxes of `boxes`, 128-byte
+/// swizzled (the layout the warpgroup MMAs read); elements outside the tensor read as zero.
+fn tensor_map(what: &str, ptr: u64, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<TmaDesc> {
+    use cudarc::driver::sys;
+    let rank = dims.len();
+    if strides.len() + 1 != rank || boxes.len() != rank || strides.iter().any(|&s| s % 16 != 0 || s >= 1 << 40) {
+        return Err(Error::Unsupported(format!(
+            "`{what}`: strides {strides:?} cannot be described to the TMA (multiples of 16 bytes below 2^40)"
+        )));
+    }
+    let elem_strides = vec![1u32; rank];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every array has `rank` entries (`strides` rank - 1), as the call reads; the driver
+    // only encodes the descriptor (the address is not dereferenced here).
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            rank as u32,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::CudaLaunch(format!("cuTensorMapEncodeTiled for `{what}`: {r:?}")));
+    }
+    Ok(TmaDesc(map.opaque))
+}
+
+// SAFETY: plain-old-data `#[repr(C)]` structs of integers and floats, mirrored by the kernels.
+unsafe impl DeviceRepr for Fp8WsParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Fp8FwdParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Fp8TransposeParams {}
+
+/// FP8 forward: transposes V into the key-permuted Vᵀ planes the kernel reads (a buffer of
+/// `batch · hk · tile width · sk` rounded up to 128 keys, bytes, allocated for the call on the
+/// stream), then runs `flash_fwd_fp8`. `q`, `k`, `v` hold e4m3 bytes; `scales` their descale factors.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_fp8(
+    dev: &Device,
+    f: &Fp8Functions,
+    variant: &Fp8Variant,
+    g: &Geometry<'_>,
+    (q, k, v): (&DeviceTensor<'_, u8>, &DeviceTensor<'_, u8>, &DeviceTensor<'_, u8>),
+    scales: crate::fp8::Fp8Scales,
+    out: &mut DeviceTensorMut<'_, half::bf16>,
+    o_layout: RowLayout,
+    lse: &mut cudarc::driver::CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let stream = dev.stream();
+    if g.seqs.is_empty() || g.total_q == 0 {
+        return Ok(());
+    }
+    let br = variant.block_rows();
+    let num_m_blocks = g.max_sq.div_ceil(br);
+    let heads = g.seqs.len() * g.hq;
+    let blocks = num_m_blocks.checked_mul(heads).filter(|&b| b <= i32::MAX as usize);
+    let Some(blocks) = blocks else {
+        return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {heads} heads is too large a grid")));
+    };
+    let (qp, _q_sync) = q.data.device_ptr(stream);
+    let (kp, _k_sync) = k.data.device_ptr(stream);
+    let (vp, _v_sync) = v.data.device_ptr(stream);
+    let (op, _o_sync) = out.data.device_ptr_mut(stream);
+    let (lp, _l_sync) = lse.device_ptr_mut(stream);
+    check_alignment("q", qp, &g.q, 1)?;
+    check_alignment("k", kp, &g.k, 1)?;
+    check_alignment("v", vp, &g.v, 1)?;
+    check_alignment("out", op, &o_layout, 2)?;
+
+    // The Vᵀ planes: [batch · hk][tile width][sk_pad], zeroed (the rows past d and the keys past
+    // sk stay zero: P·V reads them with P = 0, and 0 · NaN garbage would not be 0).
+    let sk_pad = g.max_sk.div_ceil(variant.bc) * variant.bc;
+    let plane = variant.d.checked_mul(sk_pad);
+    let planes = g.seqs.len() * g.hk;
+    let Some(vt_len) = plane.and_then(|p| p.checked_mul(planes)).filter(|&n| n <= i64::MAX as usize) else {
+        return Err(Error::Unsupported(format!("{planes} transposed V planes of {sk_pad} keys is too large")));
+    };
+    let plane = variant.d * sk_pad;
+    let mut vt = stream.alloc_zeros::<u8>(vt_len.max(1)).map_err(|e| driver_error("alloc transposed v", e))?;
+    let (vtp, _vt_sync) = vt.device_ptr_mut(stream);
+    let tp = Fp8TransposeParams {
+        v: vp,
+        vt: vtp,
+        v_batch: g.v.batch_stride as i64,
+        v_row: g.v.token_stride as i64,
+        v_head: g.v.head_stride as i64,
+        vt_plane: plane as i64,
+        hk: i32_of("hk", g.hk)?,
+        sk: i32_of("sk", g.max_sk)?,
+        d: i32_of("d", g.d)?,
+        sk_pad: i32_of("sk (padded)", sk_pad)?,
+    };
+    let grid_z = u32::try_from(planes).ok().filter(|&z| z <= 65_535);
+    let Some(grid_z) = grid_z else {
+        return Err(Error::Unsupported(format!("{planes} (batch x kv head) planes exceed the transpose's grid")));
+    };
+    let cfg = LaunchConfig {
+        grid_dim: ((sk_pad / 64) as u32, g.d.div_ceil(64) as u32, grid_z),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut builder = stream.launch_builder(&f.transpose_v);
+    builder.arg(&tp);
+    // SAFETY: the parameters match `Fp8TransposeParams`; `v` holds every element the geometry
+    // checked (rows < sk, columns < d, 16-byte aligned strides), and `vt` was allocated above with
+    // `planes` planes of `d_tile` rows of `sk_pad` bytes, the extent the grid covers.
+    unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch fp8_transpose_v", e))?;
+
+    let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
+    let log2e = std::f64::consts::LOG2_E;
+    let scale_log2 = f64::from(g.scale) * f64::from(scales.q) * f64::from(scales.k) * log2e;
+    let base = FwdParams {
+        q: qp,
+        k: kp,
+        v: vtp,
+        o: op,
+        lse: lp,
+        cu_seqlens_q: 0,
+        cu_seqlens_k: 0,
+        q_batch: g.q.batch_stride as i64,
+        q_row: g.q.token_stride as i64,
+        q_head: g.q.head_stride as i64,
+        k_batch: g.k.batch_stride as i64,
+        k_row: g.k.token_stride as i64,
+        k_head: g.k.head_stride as i64,
+        v_batch: (g.hk * plane) as i64,
+        v_row: sk_pad as i64,
+        v_head: plane as i64,
+        o_batch: o_layout.batch_stride as i64,
+        o_row: o_layout.token_stride as i64,
+        o_head: o_layout.head_stride as i64,
+        lse_batch: (g.hq * g.max_sq) as i64,
+        lse_head: g.max_sq as i64,
+        batch: i32_of("batch", g.seqs.len())?,
+        hq: i32_of("hq", g.hq)?,
+        group: i32_of("hq / hk", g.hq / g.hk)?,
+        d: i32_of("d", g.d)?,
+        sq: i32_of("sq", g.max_sq)?,
+        sk: i32_of("sk", g.max_sk)?,
+        num_m_blocks: num_m_blocks as i32,
+        causal: match g.causal {
+            Causal::None => 0,
+            Causal::BottomRight => 1,
+            Causal::TopLeft => 2,
+        },
+        window_left,
+        window_right,
+        scale_log2: scale_log2 as f32,
+        longest_first: i32::from(g.causal != Causal::None),
+        dropout: DropoutParams::of(g),
+        score_mod: ScoreMod::new(0, None, g.scale),
+        block: BlockMaskParams::default(),
+    };
+    let params = Fp8FwdParams { base, v_descale: scales.v };
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (variant.threads() as u32, 1, 1),
+        shared_mem_bytes: variant.smem_bytes() as u32,
+    };
+    let mut builder = stream.launch_builder(&f.forward);
+    let ws_params;
+    if variant.ws {
+        let u = |x: usize| x as u64;
+        let (rows, bc) = (u32::try_from(br).unwrap_or(u32::MAX), variant.bc as u32);
+        let (b, d) = (u(g.seqs.len()), u(g.d));
+        let q_strides = [u(g.q.token_stride), u(g.q.head_stride), u(g.q.batch_stride)];
+        let k_strides = [u(g.k.token_stride), u(g.k.head_stride), u(g.k.batch_stride)];
+        ws_params = Fp8WsParams {
+            q: tensor_map("q", qp, &[d, u(g.max_sq), u(g.hq), b], &q_strides, &[128, rows, 1, 1])?,
+            k: tensor_map("k", kp, &[d, u(g.max_sk), u(g.hk), b], &k_strides, &[128, bc, 1, 1])?,
+            vt: tensor_map(
+                "v (transposed)",
+                vtp,
+                &[u(sk_pad), u(variant.d), u(planes)],
+                &[u(sk_pad), u(plane)],
+                &[bc, variant.d as u32, 1],
+            )?,
+            f: params,
+        };
+        builder.arg(&ws_params);
+    } else {
+        builder.arg(&params);
+    }
+    // SAFETY: the parameter block matches `Fp8FwdParams`; q, k, out and lse are live buffers the
+    // geometry checked to hold every element the kernel touches, the Vᵀ planes were allocated and
+    // filled above (freed on the stream after the kernel), and the sync guards keep them ordered
+    // on this stream until the launch is enqueued.
+    unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd_fp8", e))?;
+    Ok(())
 }
 
 /// Varlen tokens past the last sequence belong to none: their `out` rows are 0 and their `lse`

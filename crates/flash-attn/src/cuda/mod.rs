@@ -49,7 +49,8 @@ use crate::tensor::{Tensor, TensorMut};
 use crate::{Gradients, Output};
 
 pub use kernels::{
-    padded_head_dim, tile_width, BwdVariant, ExtraPaths, Variant, BWD_HEAD_DIMS, HEAD_DIMS, HOPPER_HEAD_DIMS,
+    padded_head_dim, tile_width, BwdVariant, ExtraPaths, Fp8Variant, Variant, BWD_HEAD_DIMS, FP8_HEAD_DIMS, HEAD_DIMS,
+    HOPPER_HEAD_DIMS,
 };
 pub use nvrtc::Arch;
 
@@ -125,6 +126,7 @@ pub struct Device {
     bwd_functions: Arc<Mutex<HashMap<BwdVariant, launch::BwdFunctions>>>,
     decode_functions: Arc<Mutex<HashMap<decode::DecodeVariant, decode::DecodeFunctions>>>,
     ring_functions: Arc<Mutex<HashMap<DType, ring::RingFunctions>>>,
+    fp8_functions: Arc<Mutex<HashMap<Fp8Variant, launch::Fp8Functions>>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -159,6 +161,7 @@ impl Device {
             bwd_functions: Arc::default(),
             decode_functions: Arc::default(),
             ring_functions: Arc::default(),
+            fp8_functions: Arc::default(),
         })
     }
 
@@ -185,6 +188,7 @@ impl Device {
             bwd_functions: self.bwd_functions.clone(),
             decode_functions: self.decode_functions.clone(),
             ring_functions: self.ring_functions.clone(),
+            fp8_functions: self.fp8_functions.clone(),
         })
     }
 
@@ -212,6 +216,21 @@ impl Device {
         let module = self.load_module(&variant.name(), &kernels::forward_source(), &variant.options())?;
         let f = module.load_function("flash_fwd").map_err(|e| driver_error("cuModuleGetFunction", e))?;
         allow_dynamic_smem(&f, variant.smem_bytes())?;
+        map.insert(*variant, f.clone());
+        Ok(f)
+    }
+
+    /// The loaded FP8 forward kernels of `variant` (the forward and the V transpose it reads),
+    /// compiling (or reading the cache) on first use.
+    pub(crate) fn fp8_functions(&self, variant: &Fp8Variant) -> Result<launch::Fp8Functions> {
+        let mut map = self.fp8_functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = map.get(variant) {
+            return Ok(f.clone());
+        }
+        let module = self.load_module(&variant.name(), &kernels::fp8_forward_source(), &variant.options())?;
+        let load = |name: &str| module.load_function(name).map_err(|e| driver_error("cuModuleGetFunction", e));
+        let f = launch::Fp8Functions { forward: load("flash_fwd_fp8")?, transpose_v: load("fp8_transpose_v")? };
+        allow_dynamic_smem(&f.forward, variant.smem_bytes())?;
         map.insert(*variant, f.clone());
         Ok(f)
     }
@@ -350,6 +369,77 @@ impl Device {
         )?;
         let f = self.function(&variant)?;
         launch::forward(self, &f, &variant, &g, q, k, v, out, o_layout, lse)
+    }
+
+    /// Attention forward with FP8 inputs on device buffers, enqueued on [`Device::stream`]
+    /// (asynchronous): `q`, `k`, `v` hold e4m3 bytes ([`crate::Fp8E4m3`]'s bits) whose real values
+    /// are the elements times `scales` (per-tensor descale factors, FlashAttention-3's
+    /// `descale_q/k/v`); `out` is bf16, `lse` as for [`Device::forward`]. The semantics and the
+    /// numerics contract are those of [`crate::forward_fp8`] (docs/semantics.md, "FP8 inputs").
+    ///
+    /// Runs on sm_90a (Hopper's 8-bit warpgroup MMAs; elsewhere a typed error): fixed-length
+    /// batches, causal and sliding windows, GQA/MQA, `d == dv` a multiple of 16 up to 256 (on
+    /// tiles of 128 and 256), strides that are multiples of 16 bytes. Not yet: varlen, dropout,
+    /// softcap, ALiBi, block masks (each a typed error). Extra device memory for the call: V
+    /// transposed, `batch · hk · width · sk` bytes with `sk` rounded up to 128.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_fp8(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, u8>,
+        k: &DeviceTensor<'_, u8>,
+        v: &DeviceTensor<'_, u8>,
+        scales: crate::Fp8Scales,
+        out: &mut DeviceTensorMut<'_, half::bf16>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        self.forward_fp8_variant(spec, q, k, v, scales, out, lse, None)
+    }
+
+    /// [`Device::forward_fp8`] with an explicit kernel variant (`None`: the default for the head
+    /// dim). For benchmarks and tests of both FP8 kernels.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_fp8_variant(
+        &self,
+        spec: &AttentionSpec<'_>,
+        q: &DeviceTensor<'_, u8>,
+        k: &DeviceTensor<'_, u8>,
+        v: &DeviceTensor<'_, u8>,
+        scales: crate::Fp8Scales,
+        out: &mut DeviceTensorMut<'_, half::bf16>,
+        lse: &mut CudaViewMut<'_, f32>,
+        variant: Option<Fp8Variant>,
+    ) -> Result<()> {
+        scales.validate()?;
+        let units_q = vec![(); q.data.len()];
+        let units_k = vec![(); k.data.len()];
+        let units_v = vec![(); v.data.len()];
+        let mut units_o = vec![(); out.data.len()];
+        let g = Geometry::new(
+            spec,
+            &Tensor::with_strides(&units_q, &q.shape, &q.strides),
+            &Tensor::with_strides(&units_k, &k.shape, &k.strides),
+            &Tensor::with_strides(&units_v, &v.shape, &v.strides),
+        )?;
+        let o_layout = g.check_output_like(
+            "out",
+            &TensorMut::with_strides(&mut units_o, &out.shape, &out.strides),
+            &g.out_shape(),
+            true,
+        )?;
+        g.check_lse_len(lse.len())?;
+        let default = launch::fp8_supported(&g, &self.arch)?;
+        let variant = variant.unwrap_or(default);
+        if variant.d != default.d {
+            return Err(Error::Unsupported(format!(
+                "variant {} does not fit d = {} (tile width {})",
+                variant.name(),
+                g.d,
+                default.d
+            )));
+        }
+        let f = self.fp8_functions(&variant)?;
+        launch::forward_fp8(self, &f, &variant, &g, (q, k, v), scales, out, o_layout, lse)
     }
 
     /// Attention backward on device buffers, enqueued on [`Device::stream`] (asynchronous): `dq`,
@@ -625,6 +715,58 @@ pub fn forward_host_variant<T: CudaElement>(
     Ok(Output { out, out_shape, lse, lse_shape })
 }
 
+/// Attention forward with FP8 inputs on GPU 0 for host tensors: copies `q`, `k`, `v` (e4m3,
+/// their whole buffers, strides kept) to the device, runs [`Device::forward_fp8`], and copies
+/// `out` (bf16, contiguous) and `lse` back. What the FP8 kernel does not support is a typed
+/// error before a device is opened.
+pub fn forward_fp8_host(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, crate::Fp8E4m3>,
+    k: &Tensor<'_, crate::Fp8E4m3>,
+    v: &Tensor<'_, crate::Fp8E4m3>,
+    scales: crate::Fp8Scales,
+) -> Result<Output<half::bf16>> {
+    forward_fp8_host_variant(spec, q, k, v, scales, None)
+}
+
+/// [`forward_fp8_host`] with an explicit kernel variant (`None`: the default).
+pub fn forward_fp8_host_variant(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, crate::Fp8E4m3>,
+    k: &Tensor<'_, crate::Fp8E4m3>,
+    v: &Tensor<'_, crate::Fp8E4m3>,
+    scales: crate::Fp8Scales,
+    variant: Option<Fp8Variant>,
+) -> Result<Output<half::bf16>> {
+    scales.validate()?;
+    let g = Geometry::new(spec, q, k, v)?;
+    launch::check_fp8_supported(&g)?;
+    let dev = default_device()?;
+    let bytes = |t: &Tensor<'_, crate::Fp8E4m3>| t.data().iter().map(|x| x.to_bits()).collect::<Vec<u8>>();
+    let upload = |t| dev.stream.clone_htod(&bytes(t)).map_err(|e| driver_error("upload", e));
+    let (dq, dk, dv) = (upload(q)?, upload(k)?, upload(v)?);
+    let out_shape = g.out_shape();
+    let lse_shape = g.lse_shape();
+    let out_len: usize = out_shape.iter().product();
+    let alloc = |what: &str, e| driver_error(what, e);
+    let mut dout = dev.stream.alloc_zeros::<half::bf16>(out_len.max(1)).map_err(|e| alloc("alloc out", e))?;
+    let mut dlse = dev.stream.alloc_zeros::<f32>(g.lse_len().max(1)).map_err(|e| alloc("alloc lse", e))?;
+    {
+        let qt = DeviceTensor::with_strides(dq.as_view(), q.shape(), q.strides());
+        let kt = DeviceTensor::with_strides(dk.as_view(), k.shape(), k.strides());
+        let vt = DeviceTensor::with_strides(dv.as_view(), v.shape(), v.strides());
+        let mut ot = DeviceTensorMut::new(dout.slice_mut(0..out_len), &out_shape);
+        let mut lt = dlse.slice_mut(0..g.lse_len());
+        dev.forward_fp8_variant(spec, &qt, &kt, &vt, scales, &mut ot, &mut lt, variant)?;
+    }
+    let mut out = dev.stream.clone_dtoh(&dout).map_err(|e| driver_error("download out", e))?;
+    let mut lse = dev.stream.clone_dtoh(&dlse).map_err(|e| driver_error("download lse", e))?;
+    dev.stream.synchronize().map_err(|e| driver_error("synchronize", e))?;
+    out.truncate(out_len);
+    lse.truncate(g.lse_len());
+    Ok(Output { out, out_shape, lse, lse_shape })
+}
+
 /// Attention backward on GPU 0 for host inputs: copies the inputs, `out`, `lse` and `dout` to the
 /// device, runs the backward kernels, and copies `dq`, `dk`, `dv` (contiguous) back.
 #[allow(clippy::too_many_arguments)]
@@ -739,6 +881,7 @@ pub fn compile_matching(archs: &[Arch], pattern: &str) -> Result<Vec<VariantRepo
     nvrtc::available()?;
     let (fwd_source, bwd_source) = (kernels::forward_source(), kernels::backward_source());
     let decode_source = decode::decode_source();
+    let fp8_source = kernels::fp8_forward_source();
     // (name, program, options, spill budget, Hopper-only) of every variant; a backward program
     // holds three kernels and ptxas_usage reports the largest, the main kernel's.
     let programs: Vec<(String, &str, Vec<String>, u32, bool)> = Variant::all()
@@ -752,6 +895,7 @@ pub fn compile_matching(archs: &[Arch], pattern: &str) -> Result<Vec<VariantRepo
         .chain(
             decode::DecodeVariant::all().into_iter().map(|v| (v.name(), decode_source.as_str(), v.options(), 0, false)),
         )
+        .chain(Fp8Variant::all().into_iter().map(|v| (v.name(), fp8_source.as_str(), v.options(), 0, true)))
         .chain([DType::F16, DType::BF16].into_iter().map(|dt| {
             let mut options = ring::ring_options(dt);
             options.extend(["-Xptxas".to_string(), "-v".to_string()]);

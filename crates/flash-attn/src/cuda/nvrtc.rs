@@ -259,7 +259,8 @@ fn program_log(prog: &Program) -> Result<String> {
     Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
 
-/// Registers and spill bytes from ptxas's `-v` report in an NVRTC log.
+/// Registers and local-memory bytes from ptxas's `-v` report in an NVRTC log: the spill stores, or
+/// the stack frame where it exceeds them by more than 8 bytes (an array indexed at run time).
 pub fn ptxas_usage(log: &str) -> (Option<u32>, Option<u32>) {
     let number_before = |line: &str, word: &str| -> Option<u32> {
         let i = line.find(word)?;
@@ -272,7 +273,11 @@ pub fn ptxas_usage(log: &str) -> (Option<u32>, Option<u32>) {
             regs = regs.max(Some(r));
         }
         if let Some(s) = number_before(line, "bytes spill stores") {
-            spill = spill.max(Some(s));
+            // A stack frame larger than the spills (past a few bytes of alignment) is an array
+            // the kernel indexes at run time, in local memory as surely as a spill: counted too.
+            let frame = number_before(line, "bytes stack frame").unwrap_or(0);
+            let local = if frame > s + 8 { frame } else { s };
+            spill = spill.max(Some(local));
         }
     }
     (regs, spill)
@@ -288,6 +293,13 @@ mod tests {
                    ptxas         .     80 bytes stack frame, 112 bytes spill stores, 96 bytes spill loads\n\
                    ptxas info    : Used 255 registers, used 1 barriers, 80 bytes cumulative stack size\n";
         assert_eq!(ptxas_usage(log), (Some(255), Some(112)));
+        // A local array (stack frame without spills) counts as local-memory bytes.
+        let log = "ptxas         .     64 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                   ptxas info    : Used 168 registers, used 16 barriers, 64 bytes cumulative stack size\n";
+        assert_eq!(ptxas_usage(log), (Some(168), Some(64)));
+        // A frame a few bytes above the spills is alignment, not an array.
+        let log = "ptxas         .     40 bytes stack frame, 36 bytes spill stores, 36 bytes spill loads\n";
+        assert_eq!(ptxas_usage(log), (None, Some(36)));
     }
 
     #[test]

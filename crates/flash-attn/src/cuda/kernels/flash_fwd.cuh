@@ -668,7 +668,11 @@ struct FlashFwdSm90 {
 };
 #endif  // FA_WGMMA
 
-#if FA_WGMMA
+#ifndef FA_FP8
+#define FA_FP8 0  // 1: the program is the FP8 forward's (flash_fwd_fp8.cuh): no flash_fwd entry here
+#endif
+#if FA_FP8
+#elif FA_WGMMA
 // Two blocks per multiprocessor where a block's tiles are small enough (d 64 with 64 keys per
 // tile: 122 registers a thread, 49 KiB of shared memory), else one with up to 255 registers.
 #define FA_MIN_BLOCKS ((FA_D * FA_BC <= 64 * 64) ? 2 : 1)

@@ -1,0 +1,646 @@
+// FP8 (e4m3) forward for sm_90a: FlashFwdSm90's structure (flash_fwd.cuh) with both products on
+// e4m3 warpgroup MMAs (wgmma_fp8.cuh, m64nNk32: twice the 16-bit rate), f32 accumulation, the
+// output in bf16 (FlashAttention-3's FP8 forward).
+//
+// Inputs: q and k as e4m3 bytes in their own layouts (strides in bytes); V transposed and
+// permuted by `fp8_transpose_v` below into Vᵀ planes of [FA_D rows][sk_pad keys], because an
+// 8-bit wgmma reads B K-major only (no transposing form) and P·V's K is the key. The descale
+// factors fold into two scalars: `scale_log2` = softmax scale · descale_q · descale_k · log2(e)
+// (so the scores, the softmax and the lse are those of the dequantized inputs), and
+// `v_descale`, applied with the final 1 / rowsum.
+//
+// P goes from the score registers to an e4m3 A operand without a shuffle: a thread holds keys
+// {2t, 2t+1, 8+2t, 9+2t} of every 16 of a row in the accumulator, and the 8-bit A fragment wants
+// four consecutive k positions {4t .. 4t+3}. P·V is a sum over keys, so the keys may be taken in
+// any order that P and V share: the transpose stores key 16a + 8(j / 2) + 2t + j % 2 at position
+// 16a + 4t + j of Vᵀ, and the thread's four accumulator values become one A register as they are.
+// The probabilities are rounded to e4m3 after the row sum took them unrounded (their rounding is
+// what the FP8 contract bounds: docs/semantics.md, "FP8 inputs").
+//
+// Not in this kernel (the launcher refuses them with a typed error): varlen batches, dropout,
+// softcap, ALiBi, block masks.
+
+#if FA_FP8 && FA_WGMMA
+
+// `FwdParams` with q, k: e4m3 bytes, strides in bytes; v: the Vᵀ planes (v_batch, v_head: bytes
+// between planes; v_row: bytes between its rows, sk_pad); o: bf16, strides in elements. Field for
+// field `Fp8FwdParams` in src/cuda/launch.rs.
+struct Fp8FwdParams {
+    FwdParams base;
+    float v_descale;
+};
+
+// Four probabilities to e4m3 (round to nearest even, saturating), `b0` in the lowest byte.
+__device__ __forceinline__ u32 pack4_e4m3(float b0, float b1, float b2, float b3) {
+    u32 r;
+    asm("{\n"
+        ".reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};\n"
+        "}\n"
+        : "=r"(r)
+        : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+    return r;
+}
+
+// Probabilities of a raw score tile (unscaled q·k, one 16-row tile a warp) in place, with the
+// online-softmax state of its two rows (`row_max` in raw units, `row_sum` this thread's partial
+// sums) and `correction` for O: the scale folded into the exponent's FMA, the row max and sum as
+// trees rather than chains (one FMNMX or FADD after another is a chain of latencies).
+template <int NT>
+__device__ __forceinline__ void fp8_softmax_tile(FragC (&s)[1][NT], float (&row_max)[2], float (&row_sum)[2],
+                                                 float scale_log2, float (&correction)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float v[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) v[nt] = fmaxf(s[0][nt].x[2 * r], s[0][nt].x[2 * r + 1]);
+#pragma unroll
+        for (int level = 1; level < NT; level *= 2)  // indices known at compile time: registers
+#pragma unroll
+            for (int i = 0; i < NT; i += 2 * level) v[i] = fmaxf(v[i], v[i + level]);
+        const float m = quad_max(fmaxf(v[0], row_max[r]));  // raw units; scale_log2 > 0
+        const float base = (m == -FA_INF) ? 0.f : m * scale_log2;
+        const float corr = fast_exp2(row_max[r] * scale_log2 - base);
+        row_max[r] = m;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float p0 = fast_exp2(fmaf(s[0][nt].x[2 * r], scale_log2, -base));
+            const float p1 = fast_exp2(fmaf(s[0][nt].x[2 * r + 1], scale_log2, -base));
+            s[0][nt].x[2 * r] = p0;
+            s[0][nt].x[2 * r + 1] = p1;
+            v[nt] = p0 + p1;
+        }
+#pragma unroll
+        for (int level = 1; level < NT; level *= 2)
+#pragma unroll
+            for (int i = 0; i < NT; i += 2 * level) v[i] += v[i + level];
+        row_sum[r] = row_sum[r] * corr + v[0];
+        correction[r] = corr;
+    }
+}
+
+// The end of a warp's rows: O *= v_descale / rowsum, and each row's natural-log lse of the
+// scaled scores (rows that saw no key: O = 0, lse = -inf, DESIGN §2 rule 5).
+template <int DT>
+__device__ __forceinline__ void fp8_finish(FragC (&o)[1][DT], const float (&row_max)[2], const float (&row_sum)[2],
+                                           float scale_log2, float v_descale, float (&lse)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float sum = quad_sum(row_sum[r]);
+        const bool empty = !(sum > 0.f);
+        const float inv = empty ? 0.f : v_descale / sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            o[0][dt].x[2 * r] *= inv;
+            o[0][dt].x[2 * r + 1] *= inv;
+        }
+        lse[r] = empty ? -FA_INF : (row_max[r] * scale_log2 + __log2f(sum)) * FA_LN2;
+    }
+}
+
+template <int D, int BC, int WARPS>
+struct FlashFwdFp8Sm90 {
+    using Base = FlashFwd<D, 1, BC, WARPS, true>;  // masks and the bf16 output store
+    static_assert(WARPS % 4 == 0, "whole warpgroups");
+    static_assert(D % 128 == 0, "Q and K rows are whole 128-byte swizzle rows");
+    static_assert(BC == 128, "a Vᵀ tile row is one 128-byte swizzle row: 128 keys");
+    static constexpr int BR = WARPS * 16;
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int NT = BC / 8;
+    static constexpr int DT = D / 8;
+    static constexpr int Q_BYTES = BR * D;
+    static constexpr int K_BYTES = BC * D;
+    static constexpr int V_BYTES = D * BC;
+    // Q, two K and two Vᵀ buffers; the bf16 output is staged over Q and the K buffers at the end.
+    static constexpr int SMEM_BYTES = Q_BYTES + 2 * K_BYTES + 2 * V_BYTES;
+    static_assert(SMEM_BYTES >= BR * D * 2, "room to stage the output");
+    // S of the next tile and P·V of the previous one in flight together, as FlashFwdSm90; at
+    // D = 256 the output alone takes 128 registers a thread, and the products run in turn.
+    static constexpr bool OVERLAP = D <= 128;
+
+    // S = Q Kᵀ for this warpgroup's 64 rows as one wgmma group (unscaled).
+    static __device__ __forceinline__ void issue_scores(FragC (&s)[1][NT], u32 sQw, u32 sK) {
+        fence_operands(s[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 32; ++kk) {
+            const u64 da = gmma_desc(sQw + (u32)((kk / 4) * BR * 128 + (kk % 4) * 32), 16, 1024);
+            const u64 db = gmma_desc(sK + (u32)((kk / 4) * BC * 128 + (kk % 4) * 32), 16, 1024);
+            wgmma_fp8_ss<BC>(s[0], da, db, kk > 0);
+        }
+        wgmma_commit();
+    }
+
+    // O += P V as one wgmma group, P from registers (e4m3, 32 keys a FragA), Vᵀ from shared memory.
+    static __device__ __forceinline__ void issue_pv(FragC (&o)[1][DT], FragA (&pa)[BC / 32], u32 sV) {
+#pragma unroll
+        for (int kk = 0; kk < BC / 32; ++kk) fence_operands(pa[kk]);
+        fence_operands(o[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 32; ++kk) wgmma_fp8_rs<D>(o[0], pa[kk], gmma_desc(sV + (u32)(kk * 32), 16, 1024));
+        wgmma_commit();
+    }
+
+    static __device__ __forceinline__ void pv_done(FragC (&o)[1][DT], FragA (&pa)[BC / 32]) {
+        fence_operands(o[0]);
+#pragma unroll
+        for (int kk = 0; kk < BC / 32; ++kk) fence_operands(pa[kk]);
+    }
+
+    // The probabilities of a score tile as e4m3 A operands, in the key order of the Vᵀ planes.
+    static __device__ __forceinline__ void pack_p(FragA (&pa)[BC / 32], const FragC (&s)[1][NT]) {
+#pragma unroll
+        for (int kk = 0; kk < BC / 32; ++kk) {
+            const FragC &a = s[0][4 * kk], &b = s[0][4 * kk + 1], &c = s[0][4 * kk + 2], &d = s[0][4 * kk + 3];
+            pa[kk].x[0] = pack4_e4m3(a.x[0], a.x[1], b.x[0], b.x[1]);
+            pa[kk].x[1] = pack4_e4m3(a.x[2], a.x[3], b.x[2], b.x[3]);
+            pa[kk].x[2] = pack4_e4m3(c.x[0], c.x[1], d.x[0], d.x[1]);
+            pa[kk].x[3] = pack4_e4m3(c.x[2], c.x[3], d.x[2], d.x[3]);
+        }
+    }
+
+    static __device__ __forceinline__ void run(const Fp8FwdParams& pp, char* smem) {
+        const FwdParams& p = pp.base;
+        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int heads = p.batch * p.hq;
+        int m_block, bh;
+        if (p.longest_first) {
+            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
+            bh = blockIdx.x % heads;
+        } else {
+            m_block = blockIdx.x % p.num_m_blocks;
+            bh = blockIdx.x / p.num_m_blocks;
+        }
+        const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
+        const int sq = p.sq, sk = p.sk;
+        const int row0 = m_block * BR;
+        if (row0 >= sq) return;
+        const int rows_valid = min(BR, sq - row0);
+        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+
+        const unsigned char* gQ =
+            reinterpret_cast<const unsigned char*>(p.q) + b * p.q_batch + (long long)row0 * p.q_row + h * p.q_head;
+        const unsigned char* gK = reinterpret_cast<const unsigned char*>(p.k) + b * p.k_batch + hk * p.k_head;
+        const unsigned char* gV = reinterpret_cast<const unsigned char*>(p.v) + b * p.v_batch + hk * p.v_head;
+        u16* gO = p.o + b * p.o_batch + (long long)row0 * p.o_row + h * p.o_head;
+        float* gL = p.lse + b * p.lse_batch + h * p.lse_head + row0;
+
+        // `smem` is 1024-byte aligned (the 128-byte swizzle's period).
+        const u32 sQ = smem_addr(smem), sK0 = sQ + Q_BYTES, sV0 = sK0 + 2 * K_BYTES;
+        const int warp_row = warp * 16;
+        const u32 sQw = sQ + (u32)((warp / 4) * 64 * 128);
+
+        FragC o[1][DT];
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
+        float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+
+        int key_lo, key_hi;
+        vis.key_range(row0, row0 + rows_valid, key_lo, key_hi);
+        const int n_begin = key_lo / BC, n_end = (key_hi + BC - 1) / BC;
+
+        // Tiles move as 16-bit words (two e4m3 a word): a row of D bytes is D / 2 words. K's rows
+        // past the sequence and its columns past d are zero-filled; Vᵀ planes are whole tiles.
+        auto load_k = [&](int n, u32 tile) {
+            const int c = n * BC;
+            load_tile_async<BC, D / 2, THREADS, true>(tile, reinterpret_cast<const u16*>(gK + (long long)c * p.k_row),
+                                                      p.k_row / 2, sk - c, p.d / 2, tid);
+        };
+        auto load_v = [&](int n, u32 tile) {
+            load_tile_async<D, BC / 2, THREADS, true>(tile, reinterpret_cast<const u16*>(gV + n * BC), p.v_row / 2,
+                                                      D, BC / 2, tid);
+        };
+        auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[1][2]) {
+            if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                Base::apply_mask(s, vis, nullptr, p.block, row0 + warp_row, col0, lane);
+            fp8_softmax_tile(s, row_max, row_sum, p.scale_log2, correction[0]);
+        };
+        // As FlashFwdSm90::run's `advance`: K of the next tile and (with OVERLAP) V of this one.
+        auto advance = [&](int n, int j) {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();
+            if (n - 1 >= n_begin) {
+                load_k(n - 1, sK0 + (u32)(((j + 1) & 1) * K_BYTES));
+                if (!OVERLAP) load_v(n - 1, sV0 + (u32)(((j + 1) & 1) * V_BYTES));
+            }
+            if (OVERLAP) load_v(n, sV0 + (u32)((j & 1) * V_BYTES));
+            cp_async_commit();
+        };
+
+        int n = n_end - 1;
+        if (n >= n_begin) {
+            load_tile_async<BR, D / 2, THREADS, true>(sQ, reinterpret_cast<const u16*>(gQ), p.q_row / 2, rows_valid,
+                                                      p.d / 2, tid);
+            load_k(n, sK0);
+            if (!OVERLAP) load_v(n, sV0);
+            cp_async_commit();
+            FragA pa[BC / 32];
+            if constexpr (OVERLAP) {
+                {
+                    advance(n, 0);
+                    FragC s[1][NT];
+                    issue_scores(s, sQw, sK0);
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    float correction[1][2];
+                    probabilities(s, n * BC, correction);
+                    pack_p(pa, s);
+                    --n;
+                }
+                int j = 1;
+                while (n >= n_begin) {
+                    advance(n, j);
+                    FragC s[1][NT];
+                    issue_scores(s, sQw, sK0 + (u32)((j & 1) * K_BYTES));
+                    issue_pv(o, pa, sV0 + (u32)(((j - 1) & 1) * V_BYTES));
+                    wgmma_wait<1>();
+                    fence_operands(s[0]);
+                    float correction[1][2];
+                    probabilities(s, n * BC, correction);
+                    wgmma_wait<0>();
+                    pv_done(o, pa);
+                    OnlineSoftmax<1>::rescale(o, correction);
+                    pack_p(pa, s);
+                    --n;
+                    ++j;
+                }
+                cp_async_wait<0>();
+                fence_proxy_async();
+                __syncthreads();
+                issue_pv(o, pa, sV0 + (u32)(((j - 1) & 1) * V_BYTES));
+                wgmma_wait<0>();
+                pv_done(o, pa);
+            } else {
+                for (int j = 0; n >= n_begin; ++j, --n) {
+                    advance(n, j);
+                    FragC s[1][NT];
+                    issue_scores(s, sQw, sK0 + (u32)((j & 1) * K_BYTES));
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    float correction[1][2];
+                    probabilities(s, n * BC, correction);
+                    OnlineSoftmax<1>::rescale(o, correction);
+                    pack_p(pa, s);
+                    issue_pv(o, pa, sV0 + (u32)((j & 1) * V_BYTES));
+                    wgmma_wait<0>();
+                    pv_done(o, pa);
+                }
+            }
+        }
+
+        float lse[1][2];
+        fp8_finish(o, row_max, row_sum, p.scale_log2, pp.v_descale, lse[0]);
+        __syncthreads();  // Q's and the K buffers' memory is reused for the output
+        Base::template store<D>(o, lse, sQ, gO, p.o_row, gL, rows_valid, p.d, warp_row, lane, tid);
+    }
+};
+
+#ifndef FA_WS
+#define FA_WS 0  // 1: the warp-specialised kernel below (FlashFwdFp8Ws); 0: FlashFwdFp8Sm90
+#endif
+
+#if !FA_WS
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_fwd_fp8(const Fp8FwdParams p) {
+    extern __shared__ __align__(128) char smem[];
+    // The launcher adds 1 KiB so that the tiles can start on the swizzle's 1024-byte period.
+    const u32 base = smem_addr(smem);
+    FlashFwdFp8Sm90<FA_D, FA_BC, FA_WARPS>::run(p, smem + (((base + 1023u) & ~1023u) - base));
+}
+#else
+// ---------------------------------------------------------------- warp-specialised FP8 forward
+// FlashAttention-3's structure (§3.1): a producer warpgroup moves tiles with TMA
+// (cp.async.bulk.tensor, 128-byte swizzle: the layout wgmma reads) into a ring of STAGES (K, Vᵀ)
+// buffers, each with a "full" mbarrier (the TMA's bytes landed) and an "empty" one (both consumer
+// warpgroups are done with it); it gives up registers (setmaxnreg) to the two consumer warpgroups,
+// which run FlashFwdFp8Sm90's loop without a block-wide barrier per tile, and take turns issuing
+// their products (named barriers: ping-pong), so that one's softmax runs under the other's MMAs.
+
+// A CUtensorMap (the driver's opaque 128-byte TMA descriptor, built on the host per call).
+struct alignas(128) TmaDesc {
+    u64 x[16];
+};
+
+// Field for field `Fp8WsParams` in src/cuda/launch.rs.
+struct alignas(128) Fp8WsParams {
+    TmaDesc q;   // [b][sq][hq][d] bytes: box 128 columns x BR rows
+    TmaDesc k;   // [b][sk][hk][d] bytes: box 128 columns x BC rows
+    TmaDesc vt;  // [planes][FA_D][sk_pad] bytes: box BC keys x FA_D rows
+    Fp8FwdParams f;
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// A TMA tile load into shared memory, completing `bytes` on `bar`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, int c0, int c1, int c2, int c3, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+        "%5}], [%6];\n" ::"r"(dst),
+        "l"(desc), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaDesc* desc, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"(desc), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+// Barrier `id` (1-15) over `threads` threads: wait for all, or arrive without waiting.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int D, int BC>
+struct FlashFwdFp8Ws {
+    using Mma = FlashFwdFp8Sm90<D, BC, 8>;  // the two consumer warpgroups' products and P packing
+    using Base = FlashFwd<D, 1, BC, 8, true>;
+    static constexpr int BR = 128;  // two consumer warpgroups of 64 rows
+    static constexpr int CONSUMERS = 256;
+    static constexpr int THREADS = 384;  // + the producer warpgroup
+    static constexpr int NT = BC / 8;
+    static constexpr int DT = D / 8;
+    static constexpr int STAGES = D <= 128 ? 4 : 2;
+    static constexpr int Q_BYTES = BR * D;
+    static constexpr int K_BYTES = BC * D;
+    static constexpr int V_BYTES = D * BC;
+    static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
+    // Q, the ring, then the mbarriers (8 bytes each: Q's, STAGES full, STAGES empty).
+    static constexpr int BAR_OFFSET = Q_BYTES + STAGES * STAGE_BYTES;
+    static constexpr int SMEM_BYTES = BAR_OFFSET + 8 * (1 + 2 * STAGES);
+    // Named barriers 1 and 2 pass the turn to issue products between the consumer warpgroups.
+    static constexpr int BAR_TURN = 1;
+
+    static __device__ __forceinline__ void run(const Fp8WsParams& pp, char* smem) {
+        const FwdParams& p = pp.f.base;
+        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int heads = p.batch * p.hq;
+        int m_block, bh;
+        if (p.longest_first) {
+            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
+            bh = blockIdx.x % heads;
+        } else {
+            m_block = blockIdx.x % p.num_m_blocks;
+            bh = blockIdx.x / p.num_m_blocks;
+        }
+        const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
+        const int sq = p.sq, sk = p.sk;
+        const int row0 = m_block * BR;
+        if (row0 >= sq) return;  // the whole block: no barrier has been set up yet
+        const int rows_valid = min(BR, sq - row0);
+        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+        int key_lo, key_hi;
+        vis.key_range(row0, row0 + rows_valid, key_lo, key_hi);
+        const int n_begin = key_lo / BC, n_end = (key_hi + BC - 1) / BC;
+        const int tiles = max(n_end - n_begin, 0);
+
+        const u32 sQ = smem_addr(smem), sRing = sQ + Q_BYTES;
+        const u32 bar_q = sQ + BAR_OFFSET, bar_full = bar_q + 8, bar_empty = bar_full + 8 * STAGES;
+        if (tid == 0) {
+            mbar_init(bar_q, 1);
+            for (int st = 0; st < STAGES; ++st) {
+                mbar_init(bar_full + 8 * st, 1);
+                mbar_init(bar_empty + 8 * st, CONSUMERS / 32);  // one arrival per consumer warp
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+
+        if (warp >= CONSUMERS / 32) {
+            // The producer warpgroup: one thread issues every copy, the rest leave.
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+            if (tid == CONSUMERS && tiles > 0) {
+                mbar_expect_tx(bar_q, Q_BYTES);
+#pragma unroll
+                for (int c = 0; c < D / 128; ++c) tma_load_4d(sQ + (u32)(c * BR * 128), &pp.q, 128 * c, row0, h, b, bar_q);
+                const int plane = b * (p.hq / p.group) + hk;
+                for (int it = 0; it < tiles; ++it) {
+                    const int st = it % STAGES, n = n_end - 1 - it;
+                    if (it >= STAGES) mbar_wait(bar_empty + 8 * st, (u32)((it / STAGES - 1) & 1));
+                    const u32 full = bar_full + 8 * st, sK = sRing + (u32)(st * STAGE_BYTES), sV = sK + K_BYTES;
+                    mbar_expect_tx(full, STAGE_BYTES);
+#pragma unroll
+                    for (int c = 0; c < D / 128; ++c) tma_load_4d(sK + (u32)(c * BC * 128), &pp.k, 128 * c, n * BC, hk, b, full);
+                    tma_load_3d(sV, &pp.vt, n * BC, 0, plane, full);
+                }
+            }
+            return;
+        }
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+        // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of the block.
+        const int wg = warp / 4, warp_row = warp * 16;
+        const u32 sQw = sQ + (u32)(wg * 64 * 128);
+        FragC o[1][DT];
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
+        float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+        const float scale_log2 = p.scale_log2;
+
+        // Turns: warpgroup 0 issues first; each passes the turn after issuing its products.
+        const int my_turn = BAR_TURN + wg, their_turn = BAR_TURN + (1 - wg);
+        if (wg == 1) named_arrive(BAR_TURN, CONSUMERS);
+
+        auto release = [&](int it) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_empty + 8 * (it % STAGES));
+        };
+        auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[2]) {
+            if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                Base::apply_mask(s, vis, nullptr, p.block, row0 + warp_row, col0, lane);
+            fp8_softmax_tile(s, row_max, row_sum, scale_log2, correction);
+        };
+        auto stage_k = [&](int it) { return sRing + (u32)((it % STAGES) * STAGE_BYTES); };
+
+        if (tiles > 0 && !Mma::OVERLAP) {
+            // D = 256: the output takes 128 registers; the products of a tile run in turn.
+            mbar_wait(bar_q, 0);
+            FragA pa[BC / 32];
+            for (int it = 0; it < tiles; ++it) {
+                const int n = n_end - 1 - it;
+                mbar_wait(bar_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1));
+                FragC s[1][NT];
+                named_sync(my_turn, CONSUMERS);
+                Mma::issue_scores(s, sQw, stage_k(it));
+                named_arrive(their_turn, CONSUMERS);
+                wgmma_wait<0>();
+                fence_operands(s[0]);
+                float correction[2];
+                probabilities(s, n * BC, correction);
+                float corr[1][2] = {{correction[0], correction[1]}};
+                OnlineSoftmax<1>::rescale(o, corr);
+                Mma::pack_p(pa, s);
+                Mma::issue_pv(o, pa, stage_k(it) + K_BYTES);
+                wgmma_wait<0>();
+                Mma::pv_done(o, pa);
+                release(it);
+            }
+            // Balance the turns as the overlapped loop does (one more sync than issues there).
+            named_sync(my_turn, CONSUMERS);
+            named_arrive(their_turn, CONSUMERS);
+        } else if (tiles > 0) {
+            mbar_wait(bar_q, 0);
+            FragA pa[BC / 32];
+            {
+                mbar_wait(bar_full, 0);
+                FragC s[1][NT];
+                named_sync(my_turn, CONSUMERS);
+                Mma::issue_scores(s, sQw, stage_k(0));
+                named_arrive(their_turn, CONSUMERS);
+                wgmma_wait<0>();
+                fence_operands(s[0]);
+                float correction[2];
+                probabilities(s, (n_end - 1) * BC, correction);
+                Mma::pack_p(pa, s);
+            }
+            for (int it = 1; it < tiles; ++it) {
+                const int n = n_end - 1 - it;
+                mbar_wait(bar_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1));
+                FragC s[1][NT];
+                named_sync(my_turn, CONSUMERS);
+                Mma::issue_scores(s, sQw, stage_k(it));
+                Mma::issue_pv(o, pa, stage_k(it - 1) + K_BYTES);
+                named_arrive(their_turn, CONSUMERS);
+                wgmma_wait<1>();
+                fence_operands(s[0]);
+                float correction[2];
+                probabilities(s, n * BC, correction);
+                wgmma_wait<0>();
+                Mma::pv_done(o, pa);
+                release(it - 1);
+                float corr[1][2] = {{correction[0], correction[1]}};
+                OnlineSoftmax<1>::rescale(o, corr);
+                Mma::pack_p(pa, s);
+            }
+            named_sync(my_turn, CONSUMERS);
+            Mma::issue_pv(o, pa, stage_k(tiles - 1) + K_BYTES);
+            named_arrive(their_turn, CONSUMERS);
+            wgmma_wait<0>();
+            Mma::pv_done(o, pa);
+            release(tiles - 1);
+        }
+        // The turn the other warpgroup would wait for next is never taken: absorb the last
+        // arrival (warpgroup 0 passed the turn once more than it took it back, or 1 started ahead).
+        if (wg == 0) named_sync(my_turn, CONSUMERS);
+
+        // Normalise (v_descale with 1 / rowsum); each warp then writes its own 16 rows through
+        // its own 16 rows of the Q tile (2 KiB, free once its warpgroup's products completed), 64
+        // columns at a time: no other warp reads or writes them, so no block-wide barrier.
+        float lse[2];
+        fp8_finish(o, row_max, row_sum, scale_log2, pp.f.v_descale, lse);
+        const int g = lane >> 2, t = lane & 3;
+        u16* gO = p.o + b * p.o_batch + (long long)(row0 + warp_row) * p.o_row + h * p.o_head;
+        float* gL = p.lse + b * p.lse_batch + h * p.lse_head + row0 + warp_row;
+        const int rows_here = rows_valid - warp_row;  // rows of this warp inside the sequence
+        const u32 sW = sQ + (u32)(warp_row * 128);   // 16 rows of 128 bytes
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (t == 0 && g + 8 * r < rows_here) gL[g + 8 * r] = lse[r];
+#pragma unroll
+        for (int pass = 0; pass < D / 64; ++pass) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = g + 8 * r;
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    const int dt = 8 * pass + c;
+                    const u32 w = pack2<true>(o[0][dt].x[2 * r], o[0][dt].x[2 * r + 1]);
+                    const u32 addr = sW + (u32)(row * 128 + ((c ^ (row & 7)) * 16) + 4 * t);
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
+                }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int c = 32 * i + lane, row = c / 8, ch = c % 8;
+                if (row < rows_here && 8 * (8 * pass + ch) < p.d) {
+                    uint4 w;
+                    const u32 addr = sW + (u32)(row * 128 + ((ch ^ (row & 7)) * 16));
+                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                                 : "r"(addr)
+                                 : "memory");
+                    *reinterpret_cast<uint4*>(gO + row * p.o_row + (8 * pass + ch) * 8) = w;
+                }
+            }
+            __syncwarp();
+        }
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_fp8(const __grid_constant__ Fp8WsParams p) {
+    extern __shared__ __align__(128) char smem[];
+    const u32 base = smem_addr(smem);
+    FlashFwdFp8Ws<FA_D, FA_BC>::run(p, smem + (((base + 1023u) & ~1023u) - base));
+}
+#endif
+
+// V [b, sk, hk, d] (e4m3, any strides that are multiples of 16 bytes) to the Vᵀ planes
+// flash_fwd_fp8 reads: plane b·hk + h holds rows 0 .. d - 1 (the head dim) of sk_pad bytes,
+// position 16a + 4t + j holding key 16a + 8(j / 2) + 2t + j % 2 (zero past sk). Rows d .. FA_D - 1
+// of a plane are left as they are (the launcher zeroes the buffer). One block moves 64 keys x 64
+// columns through shared memory, reading and writing 16 bytes a thread.
+struct Fp8TransposeParams {
+    const unsigned char* v;
+    unsigned char* vt;
+    long long v_batch, v_row, v_head;  // bytes
+    long long vt_plane;                // bytes between planes
+    int hk, sk, d, sk_pad;
+};
+
+extern "C" __global__ void __launch_bounds__(256) fp8_transpose_v(const Fp8TransposeParams p) {
+    __shared__ __align__(16) unsigned char tile[64][80];  // [key][column], rows padded to 80 bytes
+    const int tid = threadIdx.x;
+    const int key0 = blockIdx.x * 64, d0 = blockIdx.y * 64, plane = blockIdx.z;
+    const int b = plane / p.hk, h = plane % p.hk;
+    {
+        const int r = tid / 4, c = (tid % 4) * 16;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (key0 + r < p.sk && d0 + c < p.d)
+            w = *reinterpret_cast<const uint4*>(p.v + b * p.v_batch + (long long)(key0 + r) * p.v_row +
+                                                h * p.v_head + d0 + c);
+        *reinterpret_cast<uint4*>(&tile[r][c]) = w;
+    }
+    __syncthreads();
+    const int r = tid / 4, c = (tid % 4) * 16;  // row d0 + r of the plane, positions key0 + c ..
+    if (d0 + r >= p.d) return;
+    u32 words[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const int pos = c + i, l = pos & 15;
+        const int key = (pos & ~15) + 8 * ((l & 3) >> 1) + 2 * (l >> 2) + (l & 1);
+        words[i / 4] |= (u32)tile[key][r] << (8 * (i % 4));
+    }
+    *reinterpret_cast<uint4*>(p.vt + plane * p.vt_plane + (long long)(d0 + r) * p.sk_pad + key0 + c) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+#endif  // FA_FP8 && FA_WGMMA
