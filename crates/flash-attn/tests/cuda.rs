@@ -761,3 +761,38 @@ fn fp8_forward_on_the_device_agrees_with_the_cpu_fp8_forward() {
         assert!(cmp.passed(), "case {i} ({c}): gpu against cpu {cmp}");
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn fp8_forward_on_more_work_items_than_multiprocessors_meets_the_contract() {
+    // The warp-specialised kernel is persistent: a block a multiprocessor walks several items
+    // (query blocks), its producer loading the next item's Q into the other buffer and carrying
+    // the ring's phases across items. 4 x 16 heads x 5 query blocks = 320 items, more than twice
+    // an H100's 132 multiprocessors; causal (items of different lengths) and not; both widths.
+    let dev = cuda::default_device().expect("a CUDA device");
+    if !dev.arch().has_wgmma() {
+        return;
+    }
+    let mut rng = Rng::new(0xf8f8);
+    for (d, causal, sk) in [(128, Causal::BottomRight, 600), (128, Causal::None, 333), (256, Causal::TopLeft, 520)] {
+        let (b, sq, hq, hk) = (4, 600, 16, 8);
+        let mut tensor = |n: usize| {
+            let x: Vec<f32> = (0..n).map(|_| (1.5 * rng.normal()) as f32).collect();
+            flash_attn::fp8::quantize(&x)
+        };
+        let (q, k, v) = (tensor(b * sq * hq * d), tensor(b * sk * hk * d), tensor(b * sk * hk * d));
+        let c =
+            Fp8Case { shape_q: [b, sq, hq, d], shape_kv: [b, sk, hk, d], causal, window: None, scale: 0.1, q, k, v };
+        let spec = c.spec();
+        let (tq, tk, tv) =
+            (Tensor::new(&c.q.0, &c.shape_q), Tensor::new(&c.k.0, &c.shape_kv), Tensor::new(&c.v.0, &c.shape_kv));
+        let ours = cuda::forward_fp8_host(&spec, &tq, &tk, &tv, c.scales()).unwrap_or_else(|e| panic!("{c}: {e}"));
+        let deq = |x: &(Vec<flash_attn::Fp8E4m3>, f32)| flash_attn::fp8::dequantize(&x.0, x.1);
+        let (dq, dk, dv) = (deq(&c.q), deq(&c.k), deq(&c.v));
+        let (fq, fk, fv) = (Tensor::new(&dq, &c.shape_q), Tensor::new(&dk, &c.shape_kv), Tensor::new(&dv, &c.shape_kv));
+        let oracle = reference::forward(&spec, &fq, &fk, &fv).expect("oracle");
+        let naive = reference::naive_fp8(&spec, &fq, &fk, &fv).expect("naive fp8");
+        let r = flash_attn::check::report_fp8(&ours.out, &ours.lse, &oracle, &naive);
+        assert!(r.passed(), "{c}: out {} / lse {}", r.out, r.lse);
+    }
+}

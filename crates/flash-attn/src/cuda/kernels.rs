@@ -594,8 +594,8 @@ pub struct Fp8Variant {
     pub warps: usize,
     /// Whether this is the warp-specialised kernel (`FA_WS`: TMA loads by a producer warpgroup
     /// into a ring of mbarrier-guarded stages, the consumer warpgroups taking turns at the tensor
-    /// cores) rather than the one whose warps all load and compute (`cp.async`, a block-wide
-    /// barrier per key tile).
+    /// cores, a persistent grid) rather than the one whose warps all load and compute
+    /// (`cp.async`, a block-wide barrier per key tile, a block per work item).
     pub ws: bool,
 }
 
@@ -632,12 +632,19 @@ impl Fp8Variant {
         }
     }
 
-    /// Dynamic shared memory: the Q tile and the stages of K and transposed V tiles (one byte an
-    /// element), the warp-specialised kernel's mbarriers, and 1 KiB of slack to align the tiles to
-    /// the 128-byte swizzle's 1024-byte period.
+    /// Dynamic shared memory: the Q tile (two in the warp-specialised kernel, whose producer loads
+    /// the next work item's while the consumers finish one) and the stages of K and transposed V
+    /// tiles (one byte an element), the warp-specialised kernel's mbarriers, and 1 KiB of slack
+    /// to align the tiles to the 128-byte swizzle's 1024-byte period.
     pub fn smem_bytes(&self) -> usize {
-        let bars = if self.ws { 8 * (1 + 2 * self.stages()) } else { 0 };
-        (self.block_rows() + 2 * self.stages() * self.bc) * self.d + bars + 1024
+        let (q_tiles, bars) = if self.ws { (2, 8 * (4 + 2 * self.stages())) } else { (1, 0) };
+        (q_tiles * self.block_rows() + 2 * self.stages() * self.bc) * self.d + bars + 1024
+    }
+
+    /// Whether the kernel is persistent: a grid of one block a multiprocessor walking the work
+    /// items (the warp-specialised kernel), rather than one block an item.
+    pub fn persistent(&self) -> bool {
+        self.ws
     }
 
     /// A name that says everything that changes the binary, e.g.

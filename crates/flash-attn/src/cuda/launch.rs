@@ -607,16 +607,18 @@ pub(crate) fn forward_fp8(
     check_alignment("v", vp, &g.v, 1)?;
     check_alignment("out", op, &o_layout, 2)?;
 
-    // The Vᵀ planes: [batch · hk][tile width][sk_pad], zeroed (the rows past d and the keys past
-    // sk stay zero: P·V reads them with P = 0, and 0 · NaN garbage would not be 0).
+    // The Vᵀ planes: [batch · hk][tile width][sk_pad]; the transpose writes every byte (zeros for
+    // the rows past d and the keys past sk: P·V reads them with P = 0, and 0 · NaN would not be 0).
     let sk_pad = g.max_sk.div_ceil(variant.bc) * variant.bc;
-    let plane = variant.d.checked_mul(sk_pad);
     let planes = g.seqs.len() * g.hk;
+    let plane = variant.d.checked_mul(sk_pad);
     let Some(vt_len) = plane.and_then(|p| p.checked_mul(planes)).filter(|&n| n <= i64::MAX as usize) else {
         return Err(Error::Unsupported(format!("{planes} transposed V planes of {sk_pad} keys is too large")));
     };
     let plane = variant.d * sk_pad;
-    let mut vt = stream.alloc_zeros::<u8>(vt_len.max(1)).map_err(|e| driver_error("alloc transposed v", e))?;
+    // SAFETY: the buffer is only read by the forward launched after the transpose on this stream,
+    // and the transpose's grid writes all of it (every plane, row and key position).
+    let mut vt = unsafe { stream.alloc::<u8>(vt_len.max(1)) }.map_err(|e| driver_error("alloc transposed v", e))?;
     let (vtp, _vt_sync) = vt.device_ptr_mut(stream);
     let tp = Fp8TransposeParams {
         v: vp,
@@ -635,8 +637,8 @@ pub(crate) fn forward_fp8(
         return Err(Error::Unsupported(format!("{planes} (batch x kv head) planes exceed the transpose's grid")));
     };
     let cfg = LaunchConfig {
-        grid_dim: ((sk_pad / 64) as u32, g.d.div_ceil(64) as u32, grid_z),
-        block_dim: (256, 1, 1),
+        grid_dim: ((sk_pad / 32) as u32, (variant.d / 128) as u32, grid_z),
+        block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut builder = stream.launch_builder(&f.transpose_v);
@@ -692,8 +694,18 @@ pub(crate) fn forward_fp8(
         block: BlockMaskParams::default(),
     };
     let params = Fp8FwdParams { base, v_descale: scales.v };
+    // The persistent kernel: a block a multiprocessor (fewer for fewer items).
+    let grid = if variant.persistent() {
+        let sms = dev
+            .context()
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_error("multiprocessor count", e))?;
+        blocks.min(usize::try_from(sms).unwrap_or(1).max(1))
+    } else {
+        blocks
+    };
     let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
+        grid_dim: (grid as u32, 1, 1),
         block_dim: (variant.threads() as u32, 1, 1),
         shared_mem_bytes: variant.smem_bytes() as u32,
     };

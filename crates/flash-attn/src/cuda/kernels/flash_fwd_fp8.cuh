@@ -391,39 +391,60 @@ struct FlashFwdFp8Ws {
     static constexpr int K_BYTES = BC * D;
     static constexpr int V_BYTES = D * BC;
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
-    // Q, the ring, then the mbarriers (8 bytes each: Q's, STAGES full, STAGES empty).
-    static constexpr int BAR_OFFSET = Q_BYTES + STAGES * STAGE_BYTES;
-    static constexpr int SMEM_BYTES = BAR_OFFSET + 8 * (1 + 2 * STAGES);
+    // Two Q buffers, the ring, then the mbarriers (8 bytes each: two Q full, two Q empty,
+    // STAGES full, STAGES empty).
+    static constexpr int BAR_OFFSET = 2 * Q_BYTES + STAGES * STAGE_BYTES;
+    static constexpr int SMEM_BYTES = BAR_OFFSET + 8 * (4 + 2 * STAGES);
     // Named barriers 1 and 2 pass the turn to issue products between the consumer warpgroups.
     static constexpr int BAR_TURN = 1;
 
-    static __device__ __forceinline__ void run(const Fp8WsParams& pp, char* smem) {
-        const FwdParams& p = pp.f.base;
-        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // One work item: a block of BR query rows of one (sequence, head) and its key tiles.
+    struct Item {
+        int b, h, hk, row0, rows_valid, n_end, tiles;
+    };
+    static __device__ __forceinline__ Item item_at(const FwdParams& p, const Visibility& vis0, int i) {
         const int heads = p.batch * p.hq;
         int m_block, bh;
         if (p.longest_first) {
-            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
-            bh = blockIdx.x % heads;
+            // Later query blocks see more keys under a causal rule: all heads' longest first, so
+            // the grid's last items are short.
+            m_block = p.num_m_blocks - 1 - i / heads;
+            bh = i % heads;
         } else {
-            m_block = blockIdx.x % p.num_m_blocks;
-            bh = blockIdx.x / p.num_m_blocks;
+            m_block = i % p.num_m_blocks;  // consecutive items share a head: its K and V stay in L2
+            bh = i / p.num_m_blocks;
         }
-        const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
-        const int sq = p.sq, sk = p.sk;
-        const int row0 = m_block * BR;
-        if (row0 >= sq) return;  // the whole block: no barrier has been set up yet
-        const int rows_valid = min(BR, sq - row0);
-        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
-        int key_lo, key_hi;
-        vis.key_range(row0, row0 + rows_valid, key_lo, key_hi);
-        const int n_begin = key_lo / BC, n_end = (key_hi + BC - 1) / BC;
-        const int tiles = max(n_end - n_begin, 0);
+        Item it;
+        it.b = bh / p.hq;
+        it.h = bh % p.hq;
+        it.hk = it.h / p.group;
+        it.row0 = m_block * BR;
+        it.rows_valid = max(min(BR, p.sq - it.row0), 0);
+        int key_lo = 0, key_hi = 0;
+        if (it.rows_valid > 0) vis0.key_range(it.row0, it.row0 + it.rows_valid, key_lo, key_hi);
+        const int n_begin = key_lo / BC;
+        it.n_end = (key_hi + BC - 1) / BC;
+        it.tiles = max(it.n_end - n_begin, 0);
+        return it;
+    }
 
-        const u32 sQ = smem_addr(smem), sRing = sQ + Q_BYTES;
-        const u32 bar_q = sQ + BAR_OFFSET, bar_full = bar_q + 8, bar_empty = bar_full + 8 * STAGES;
+    // A persistent grid (one block a multiprocessor) walks the items blockIdx.x, + gridDim.x, ...:
+    // the producer loads the next item's Q (two Q buffers, each with a "full" and an "empty"
+    // mbarrier) and first tiles while the consumers finish the current one.
+    static __device__ __forceinline__ void run(const Fp8WsParams& pp, char* smem) {
+        const FwdParams& p = pp.f.base;
+        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int items = p.num_m_blocks * p.batch * p.hq;
+        const Visibility vis{p.sq, p.sk, p.sk - p.sq, p.causal, p.window_left, p.window_right};
+
+        const u32 sQ = smem_addr(smem), sRing = sQ + 2 * Q_BYTES;
+        const u32 bar_q_full = sQ + BAR_OFFSET, bar_q_empty = bar_q_full + 16;
+        const u32 bar_full = bar_q_empty + 16, bar_empty = bar_full + 8 * STAGES;
         if (tid == 0) {
-            mbar_init(bar_q, 1);
+            for (int qb = 0; qb < 2; ++qb) {
+                mbar_init(bar_q_full + 8 * qb, 1);
+                mbar_init(bar_q_empty + 8 * qb, CONSUMERS / 32);
+            }
             for (int st = 0; st < STAGES; ++st) {
                 mbar_init(bar_full + 8 * st, 1);
                 mbar_init(bar_empty + 8 * st, CONSUMERS / 32);  // one arrival per consumer warp
@@ -435,164 +456,188 @@ struct FlashFwdFp8Ws {
         if (warp >= CONSUMERS / 32) {
             // The producer warpgroup: one thread issues every copy, the rest leave.
             asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-            if (tid == CONSUMERS && tiles > 0) {
-                mbar_expect_tx(bar_q, Q_BYTES);
+            if (tid == CONSUMERS) {
+                int it = 0, qi = 0;  // tiles and items so far: ring and Q-buffer phases
+                for (int i = blockIdx.x; i < items; i += gridDim.x, ++qi) {
+                    const Item w = item_at(p, vis, i);
+                    const int qb = qi & 1;
+                    if (qi >= 2) mbar_wait(bar_q_empty + 8 * qb, (u32)((qi / 2 - 1) & 1));
+                    const u32 q_full = bar_q_full + 8 * qb, sQb = sQ + (u32)(qb * Q_BYTES);
+                    mbar_expect_tx(q_full, Q_BYTES);
 #pragma unroll
-                for (int c = 0; c < D / 128; ++c) tma_load_4d(sQ + (u32)(c * BR * 128), &pp.q, 128 * c, row0, h, b, bar_q);
-                const int plane = b * (p.hq / p.group) + hk;
-                for (int it = 0; it < tiles; ++it) {
-                    const int st = it % STAGES, n = n_end - 1 - it;
-                    if (it >= STAGES) mbar_wait(bar_empty + 8 * st, (u32)((it / STAGES - 1) & 1));
-                    const u32 full = bar_full + 8 * st, sK = sRing + (u32)(st * STAGE_BYTES), sV = sK + K_BYTES;
-                    mbar_expect_tx(full, STAGE_BYTES);
+                    for (int c = 0; c < D / 128; ++c)
+                        tma_load_4d(sQb + (u32)(c * BR * 128), &pp.q, 128 * c, w.row0, w.h, w.b, q_full);
+                    const int plane = w.b * (p.hq / p.group) + w.hk;
+                    for (int j = 0; j < w.tiles; ++j, ++it) {
+                        const int st = it % STAGES, n = w.n_end - 1 - j;
+                        if (it >= STAGES) mbar_wait(bar_empty + 8 * st, (u32)((it / STAGES - 1) & 1));
+                        const u32 full = bar_full + 8 * st, sK = sRing + (u32)(st * STAGE_BYTES), sV = sK + K_BYTES;
+                        mbar_expect_tx(full, STAGE_BYTES);
 #pragma unroll
-                    for (int c = 0; c < D / 128; ++c) tma_load_4d(sK + (u32)(c * BC * 128), &pp.k, 128 * c, n * BC, hk, b, full);
-                    tma_load_3d(sV, &pp.vt, n * BC, 0, plane, full);
+                        for (int c = 0; c < D / 128; ++c)
+                            tma_load_4d(sK + (u32)(c * BC * 128), &pp.k, 128 * c, n * BC, w.hk, w.b, full);
+                        tma_load_3d(sV, &pp.vt, n * BC, 0, plane, full);
+                    }
                 }
             }
             return;
         }
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
 
-        // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of the block.
+        // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item.
         const int wg = warp / 4, warp_row = warp * 16;
-        const u32 sQw = sQ + (u32)(wg * 64 * 128);
-        FragC o[1][DT];
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
-        float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
         const float scale_log2 = p.scale_log2;
-
         // Turns: warpgroup 0 issues first; each passes the turn after issuing its products.
         const int my_turn = BAR_TURN + wg, their_turn = BAR_TURN + (1 - wg);
         if (wg == 1) named_arrive(BAR_TURN, CONSUMERS);
-
+        auto stage_k = [&](int it) { return sRing + (u32)((it % STAGES) * STAGE_BYTES); };
         auto release = [&](int it) {
             __syncwarp();
             if (lane == 0) mbar_arrive(bar_empty + 8 * (it % STAGES));
         };
-        auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[2]) {
-            if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
-                Base::apply_mask(s, vis, nullptr, p.block, row0 + warp_row, col0, lane);
-            fp8_softmax_tile(s, row_max, row_sum, scale_log2, correction);
-        };
-        auto stage_k = [&](int it) { return sRing + (u32)((it % STAGES) * STAGE_BYTES); };
 
-        if (tiles > 0 && !Mma::OVERLAP) {
-            // D = 256: the output takes 128 registers; the products of a tile run in turn.
-            mbar_wait(bar_q, 0);
-            FragA pa[BC / 32];
-            for (int it = 0; it < tiles; ++it) {
-                const int n = n_end - 1 - it;
-                mbar_wait(bar_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1));
-                FragC s[1][NT];
-                named_sync(my_turn, CONSUMERS);
-                Mma::issue_scores(s, sQw, stage_k(it));
-                named_arrive(their_turn, CONSUMERS);
-                wgmma_wait<0>();
-                fence_operands(s[0]);
-                float correction[2];
-                probabilities(s, n * BC, correction);
-                float corr[1][2] = {{correction[0], correction[1]}};
-                OnlineSoftmax<1>::rescale(o, corr);
-                Mma::pack_p(pa, s);
-                Mma::issue_pv(o, pa, stage_k(it) + K_BYTES);
-                wgmma_wait<0>();
-                Mma::pv_done(o, pa);
-                release(it);
-            }
-            // Balance the turns as the overlapped loop does (one more sync than issues there).
-            named_sync(my_turn, CONSUMERS);
-            named_arrive(their_turn, CONSUMERS);
-        } else if (tiles > 0) {
-            mbar_wait(bar_q, 0);
-            FragA pa[BC / 32];
+        int it = 0, qi = 0;
+        for (int i = blockIdx.x; i < items; i += gridDim.x, ++qi) {
+            const int qb = qi & 1;
+            const u32 sQb = sQ + (u32)(qb * Q_BYTES), sQw = sQb + (u32)(wg * 64 * 128);
+            FragC o[1][DT];
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
+            float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+            int tiles, n_end, row0, rows_valid;
             {
-                mbar_wait(bar_full, 0);
-                FragC s[1][NT];
-                named_sync(my_turn, CONSUMERS);
-                Mma::issue_scores(s, sQw, stage_k(0));
-                named_arrive(their_turn, CONSUMERS);
-                wgmma_wait<0>();
-                fence_operands(s[0]);
-                float correction[2];
-                probabilities(s, (n_end - 1) * BC, correction);
-                Mma::pack_p(pa, s);
+                const Item w = item_at(p, vis, i);
+                tiles = w.tiles;
+                n_end = w.n_end;
+                row0 = w.row0;
+                rows_valid = w.rows_valid;
             }
-            for (int it = 1; it < tiles; ++it) {
-                const int n = n_end - 1 - it;
-                mbar_wait(bar_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1));
-                FragC s[1][NT];
+            auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[2]) {
+                if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                    Base::apply_mask(s, vis, nullptr, p.block, row0 + warp_row, col0, lane);
+                fp8_softmax_tile(s, row_max, row_sum, scale_log2, correction);
+            };
+            mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
+
+            if (tiles > 0 && !Mma::OVERLAP) {
+                // D = 256: the output takes 128 registers; the products of a tile run in turn.
+                FragA pa[BC / 32];
+                for (int j = 0; j < tiles; ++j, ++it) {
+                    mbar_wait(bar_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1));
+                    FragC s[1][NT];
+                    named_sync(my_turn, CONSUMERS);
+                    Mma::issue_scores(s, sQw, stage_k(it));
+                    named_arrive(their_turn, CONSUMERS);
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    float correction[2];
+                    probabilities(s, (n_end - 1 - j) * BC, correction);
+                    float corr[1][2] = {{correction[0], correction[1]}};
+                    OnlineSoftmax<1>::rescale(o, corr);
+                    Mma::pack_p(pa, s);
+                    Mma::issue_pv(o, pa, stage_k(it) + K_BYTES);
+                    wgmma_wait<0>();
+                    Mma::pv_done(o, pa);
+                    release(it);
+                }
+                // One more turn, as the overlapped loop takes (its last P·V): every item takes
+                // tiles + 1 turns in both loops.
                 named_sync(my_turn, CONSUMERS);
-                Mma::issue_scores(s, sQw, stage_k(it));
+                named_arrive(their_turn, CONSUMERS);
+            } else if (tiles > 0) {
+                FragA pa[BC / 32];
+                {
+                    mbar_wait(bar_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1));
+                    FragC s[1][NT];
+                    named_sync(my_turn, CONSUMERS);
+                    Mma::issue_scores(s, sQw, stage_k(it));
+                    named_arrive(their_turn, CONSUMERS);
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    float correction[2];
+                    probabilities(s, (n_end - 1) * BC, correction);
+                    Mma::pack_p(pa, s);
+                    ++it;
+                }
+                for (int j = 1; j < tiles; ++j, ++it) {
+                    mbar_wait(bar_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1));
+                    FragC s[1][NT];
+                    named_sync(my_turn, CONSUMERS);
+                    Mma::issue_scores(s, sQw, stage_k(it));
+                    Mma::issue_pv(o, pa, stage_k(it - 1) + K_BYTES);
+                    named_arrive(their_turn, CONSUMERS);
+                    wgmma_wait<1>();
+                    fence_operands(s[0]);
+                    float correction[2];
+                    probabilities(s, (n_end - 1 - j) * BC, correction);
+                    wgmma_wait<0>();
+                    Mma::pv_done(o, pa);
+                    release(it - 1);
+                    float corr[1][2] = {{correction[0], correction[1]}};
+                    OnlineSoftmax<1>::rescale(o, corr);
+                    Mma::pack_p(pa, s);
+                }
+                named_sync(my_turn, CONSUMERS);
                 Mma::issue_pv(o, pa, stage_k(it - 1) + K_BYTES);
                 named_arrive(their_turn, CONSUMERS);
-                wgmma_wait<1>();
-                fence_operands(s[0]);
-                float correction[2];
-                probabilities(s, n * BC, correction);
                 wgmma_wait<0>();
                 Mma::pv_done(o, pa);
                 release(it - 1);
-                float corr[1][2] = {{correction[0], correction[1]}};
-                OnlineSoftmax<1>::rescale(o, corr);
-                Mma::pack_p(pa, s);
             }
-            named_sync(my_turn, CONSUMERS);
-            Mma::issue_pv(o, pa, stage_k(tiles - 1) + K_BYTES);
-            named_arrive(their_turn, CONSUMERS);
-            wgmma_wait<0>();
-            Mma::pv_done(o, pa);
-            release(tiles - 1);
-        }
-        // The turn the other warpgroup would wait for next is never taken: absorb the last
-        // arrival (warpgroup 0 passed the turn once more than it took it back, or 1 started ahead).
-        if (wg == 0) named_sync(my_turn, CONSUMERS);
 
-        // Normalise (v_descale with 1 / rowsum); each warp then writes its own 16 rows through
-        // its own 16 rows of the Q tile (2 KiB, free once its warpgroup's products completed), 64
-        // columns at a time: no other warp reads or writes them, so no block-wide barrier.
-        float lse[2];
-        fp8_finish(o, row_max, row_sum, scale_log2, pp.f.v_descale, lse);
-        const int g = lane >> 2, t = lane & 3;
-        u16* gO = p.o + b * p.o_batch + (long long)(row0 + warp_row) * p.o_row + h * p.o_head;
-        float* gL = p.lse + b * p.lse_batch + h * p.lse_head + row0 + warp_row;
-        const int rows_here = rows_valid - warp_row;  // rows of this warp inside the sequence
-        const u32 sW = sQ + (u32)(warp_row * 128);   // 16 rows of 128 bytes
+            // Normalise (v_descale with 1 / rowsum); each warp then writes its own 16 rows through
+            // its own 16 rows of this item's Q buffer (2 KiB, free once its warpgroup's products
+            // completed), 64 columns at a time: no other warp reads or writes them, so no
+            // block-wide barrier; then the buffer goes back to the producer.
+            float lse[2];
+            fp8_finish(o, row_max, row_sum, scale_log2, pp.f.v_descale, lse);
+            // The item's place, recomputed rather than kept live through the loop (at D = 256 the
+            // registers are all taken by then).
+            const Item w = item_at(p, vis, (int)opaque((u32)i));
+            const int g = lane >> 2, t = lane & 3;
+            u16* gO = p.o + w.b * p.o_batch + (long long)(w.row0 + warp_row) * p.o_row + w.h * p.o_head;
+            float* gL = p.lse + w.b * p.lse_batch + w.h * p.lse_head + w.row0 + warp_row;
+            const int rows_here = w.rows_valid - warp_row;  // rows of this warp inside the sequence
+            const u32 sW = sQb + (u32)(warp_row * 128);    // 16 rows of 128 bytes
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-            if (t == 0 && g + 8 * r < rows_here) gL[g + 8 * r] = lse[r];
+            for (int r = 0; r < 2; ++r)
+                if (t == 0 && g + 8 * r < rows_here) gL[g + 8 * r] = lse[r];
 #pragma unroll
-        for (int pass = 0; pass < D / 64; ++pass) {
+            for (int pass = 0; pass < D / 64; ++pass) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = g + 8 * r;
+                for (int r = 0; r < 2; ++r) {
+                    const int row = g + 8 * r;
 #pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    const int dt = 8 * pass + c;
-                    const u32 w = pack2<true>(o[0][dt].x[2 * r], o[0][dt].x[2 * r + 1]);
-                    const u32 addr = sW + (u32)(row * 128 + ((c ^ (row & 7)) * 16) + 4 * t);
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
+                    for (int c = 0; c < 8; ++c) {
+                        const int dt = 8 * pass + c;
+                        const u32 v = pack2<true>(o[0][dt].x[2 * r], o[0][dt].x[2 * r + 1]);
+                        const u32 addr = sW + (u32)(row * 128 + ((c ^ (row & 7)) * 16) + 4 * t);
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+                    }
                 }
-            }
-            __syncwarp();
+                __syncwarp();
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int c = 32 * i + lane, row = c / 8, ch = c % 8;
-                if (row < rows_here && 8 * (8 * pass + ch) < p.d) {
-                    uint4 w;
-                    const u32 addr = sW + (u32)(row * 128 + ((ch ^ (row & 7)) * 16));
-                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                                 : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                                 : "r"(addr)
-                                 : "memory");
-                    *reinterpret_cast<uint4*>(gO + row * p.o_row + (8 * pass + ch) * 8) = w;
+                for (int k = 0; k < 4; ++k) {
+                    const int c = 32 * k + lane, row = c / 8, ch = c % 8;
+                    if (row < rows_here && 8 * (8 * pass + ch) < p.d) {
+                        uint4 v;
+                        const u32 addr = sW + (u32)(row * 128 + ((ch ^ (row & 7)) * 16));
+                        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                     : "r"(addr)
+                                     : "memory");
+                        *reinterpret_cast<uint4*>(gO + row * p.o_row + (8 * pass + ch) * 8) = v;
+                    }
                 }
+                __syncwarp();
             }
-            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_q_empty + 8 * qb);
         }
+        // The turn warpgroup 1 passed last is never taken: absorb it (warpgroup 1 started one
+        // turn ahead).
+        if (wg == 0) named_sync(my_turn, CONSUMERS);
     }
 };
 
@@ -603,11 +648,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_fp8(const __grid_
 }
 #endif
 
-// V [b, sk, hk, d] (e4m3, any strides that are multiples of 16 bytes) to the Vᵀ planes
-// flash_fwd_fp8 reads: plane b·hk + h holds rows 0 .. d - 1 (the head dim) of sk_pad bytes,
-// position 16a + 4t + j holding key 16a + 8(j / 2) + 2t + j % 2 (zero past sk). Rows d .. FA_D - 1
-// of a plane are left as they are (the launcher zeroes the buffer). One block moves 64 keys x 64
-// columns through shared memory, reading and writing 16 bytes a thread.
+// V [b, sk, hk, d] (e4m3, strides that are multiples of 16 bytes) to the Vᵀ planes
+// flash_fwd_fp8 reads: plane b·hk + h holds FA_D rows (the head dim; zero past d) of sk_pad bytes,
+// position 16a + 4t + j holding key 16a + 8(j / 2) + 2t + j % 2 (zero past sk). Every byte of the
+// planes is written, so their buffer needs no clearing. Without shared memory: lane
+// t + 4·g + 8·c of a warp reads the four keys 16g + {2t, 2t + 1, 8 + 2t, 9 + 2t} of a 32-key
+// block at 8 columns (c: which 8 of the warp's 32), transposes the 4 x 8 bytes in registers
+// (byte permutes), and writes one 4-byte word to each of the 8 rows: 32-byte pieces both ways.
+// A block of 128 threads moves 32 keys x 128 columns; the grid is (sk_pad / 32, FA_D / 128, planes).
 struct Fp8TransposeParams {
     const unsigned char* v;
     unsigned char* vt;
@@ -616,31 +664,39 @@ struct Fp8TransposeParams {
     int hk, sk, d, sk_pad;
 };
 
-extern "C" __global__ void __launch_bounds__(256) fp8_transpose_v(const Fp8TransposeParams p) {
-    __shared__ __align__(16) unsigned char tile[64][80];  // [key][column], rows padded to 80 bytes
-    const int tid = threadIdx.x;
-    const int key0 = blockIdx.x * 64, d0 = blockIdx.y * 64, plane = blockIdx.z;
-    const int b = plane / p.hk, h = plane % p.hk;
-    {
-        const int r = tid / 4, c = (tid % 4) * 16;
-        uint4 w = make_uint4(0u, 0u, 0u, 0u);
-        if (key0 + r < p.sk && d0 + c < p.d)
-            w = *reinterpret_cast<const uint4*>(p.v + b * p.v_batch + (long long)(key0 + r) * p.v_row +
-                                                h * p.v_head + d0 + c);
-        *reinterpret_cast<uint4*>(&tile[r][c]) = w;
-    }
-    __syncthreads();
-    const int r = tid / 4, c = (tid % 4) * 16;  // row d0 + r of the plane, positions key0 + c ..
-    if (d0 + r >= p.d) return;
-    u32 words[4] = {0u, 0u, 0u, 0u};
+// Bytes j of x0..x3 as word j's bytes 0..3 (a 4 x 4 byte transpose).
+__device__ __forceinline__ void transpose4(u32 x0, u32 x1, u32 x2, u32 x3, u32 (&o)[4]) {
+    const u32 t0 = __byte_perm(x0, x1, 0x5140), t1 = __byte_perm(x0, x1, 0x7362);
+    const u32 t2 = __byte_perm(x2, x3, 0x5140), t3 = __byte_perm(x2, x3, 0x7362);
+    o[0] = __byte_perm(t0, t2, 0x5410);
+    o[1] = __byte_perm(t0, t2, 0x7632);
+    o[2] = __byte_perm(t1, t3, 0x5410);
+    o[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+extern "C" __global__ void __launch_bounds__(128) fp8_transpose_v(const Fp8TransposeParams p) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int t = lane & 3, g = (lane >> 2) & 1, c = lane >> 3;
+    const int plane = blockIdx.z, b = plane / p.hk, h = plane % p.hk;
+    const int key0 = blockIdx.x * 32 + 16 * g;             // this lane's 16-key group
+    const int col = blockIdx.y * 128 + 32 * warp + 8 * c;  // its 8 columns
+    const unsigned char* src = p.v + b * p.v_batch + h * p.v_head + col;
+    uint2 w[4];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const int pos = c + i, l = pos & 15;
-        const int key = (pos & ~15) + 8 * ((l & 3) >> 1) + 2 * (l >> 2) + (l & 1);
-        words[i / 4] |= (u32)tile[key][r] << (8 * (i % 4));
+    for (int j = 0; j < 4; ++j) {
+        const int key = key0 + 8 * (j >> 1) + 2 * t + (j & 1);
+        w[j] = make_uint2(0u, 0u);
+        if (key < p.sk && col < p.d) w[j] = *reinterpret_cast<const uint2*>(src + (long long)key * p.v_row);
     }
-    *reinterpret_cast<uint4*>(p.vt + plane * p.vt_plane + (long long)(d0 + r) * p.sk_pad + key0 + c) =
-        make_uint4(words[0], words[1], words[2], words[3]);
+    u32 lo[4], hi[4];
+    transpose4(w[0].x, w[1].x, w[2].x, w[3].x, lo);  // columns col .. col + 3
+    transpose4(w[0].y, w[1].y, w[2].y, w[3].y, hi);  // columns col + 4 .. col + 7
+    unsigned char* dst = p.vt + plane * p.vt_plane + (long long)col * p.sk_pad + key0 + 4 * t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        *reinterpret_cast<u32*>(dst + (long long)e * p.sk_pad) = lo[e];
+        *reinterpret_cast<u32*>(dst + (long long)(e + 4) * p.sk_pad) = hi[e];
+    }
 }
 
 #endif  // FA_FP8 && FA_WGMMA
