@@ -19,6 +19,13 @@
 //! (Algorithm 5's work), and the JSON line gains `block_q`, `block_k`, `density_pct` and
 //! `visible_fraction`.
 //!
+//! `--dtype fp8e4m3` times the FP8 forward (`flash_attn::forward_fp8`; on cuda the device buffers'
+//! `Device::forward_fp8`, sm_90a): the inputs are drawn as f32 normals as for the other dtypes and
+//! quantized per tensor (`flash_attn::fp8::quantize`) before timing; FLOPs are counted as for the
+//! other dtypes. On the CPU each timed call is the library's whole entry point: it dequantizes the
+//! inputs to f32 and allocates `out` (bf16) and `lse`, which its peak extra memory includes. There
+//! is no FP8 backward, so `--backward` (and `--decode`) with it is an error.
+//!
 //! `--plot FILE.svg` (implies `--memory`) draws the memory table's measurements as a figure (runtime and peak
 //! extra memory vs N, see [`crate::plot`]); nothing is measured twice.
 
@@ -28,10 +35,11 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use flash_attn::check::Rng;
-use flash_attn::{AttentionSpec, DType, Element, Tensor, TensorMut};
+use flash_attn::{fp8, AttentionSpec, DType, Element, Fp8Scales, Tensor, TensorMut};
 use half::{bf16, f16};
 
-use crate::gpu::GpuElement;
+use crate::dtype::{InputDType, DTYPE_VALUES};
+use crate::gpu::{self, GpuElement};
 use crate::plot::{self, Point, Series};
 use crate::progress::Progress;
 use crate::run::zeroed;
@@ -54,13 +62,16 @@ const MEMORY_SEQLENS: [usize; 7] = [1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14,
 /// Arguments of `flash-attn bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Backend to time (`cuda`: f16 or bf16, forward and with `--backward` forward + backward).
+    /// Backend to time (`cuda`: f16 or bf16, forward and with `--backward` forward + backward;
+    /// fp8e4m3 forward on sm_90a).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
 
-    /// Element type of q, k, v and out.
-    #[arg(long, value_name = "f32|f16|bf16", default_value = "f32")]
-    dtype: DType,
+    /// Element type of q, k, v and out. `fp8e4m3` (aliases `fp8`, `e4m3`, `float8_e4m3fn`): the
+    /// FP8 forward, inputs drawn as f32 normals and quantized per tensor (descale = max|x| / 448),
+    /// out in bf16; forward only (no `--backward`, no `--decode`).
+    #[arg(long, value_name = DTYPE_VALUES, default_value = "f32")]
+    dtype: InputDType,
 
     /// One problem `batch, query heads, kv heads, query length, key length, head dim`; without
     /// it, the default grid (on cuda BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048).
@@ -336,6 +347,15 @@ const FWDBWD_FLOPS_FACTOR: f64 = 3.5;
 /// Runs `flash-attn bench`.
 pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     let cuda = args.device == Device::Cuda;
+    let fp8 = args.dtype == InputDType::Fp8E4m3;
+    if fp8 && args.backward {
+        return Err(CliError::new(
+            "`--backward` with `--dtype fp8e4m3`: there is no FP8 backward pass (FP8 inputs run forward only)",
+        ));
+    }
+    if fp8 && args.decode {
+        return Err(CliError::new("`--decode` with `--dtype fp8e4m3`: the KV cache takes f32, f16 or bf16"));
+    }
     let memory = args.memory || args.plot.is_some();
     if cuda && memory {
         return Err(CliError::new("the memory table (`--memory`) runs on cpu only"));
@@ -344,8 +364,8 @@ pub fn main(args: &BenchArgs) -> Result<ExitCode> {
     if cuda && args.fma_peak {
         return Err(CliError::new("the FMA peak (`--fma-peak`) is measured on cpu only"));
     }
-    if let (true, Some(shape)) = (args.decode, args.shape) {
-        return crate::decode_bench::main(args.device, args.dtype, shape, args.page_size, args.num_splits, args.json);
+    if let (true, Some(shape), InputDType::Float(dtype)) = (args.decode, args.shape, args.dtype) {
+        return crate::decode_bench::main(args.device, dtype, shape, args.page_size, args.num_splits, args.json);
     }
     let isa = if cuda { None } else { Some(flash_attn::cpu::Isa::default_for_process()?) };
     if let (Some(isa), true) = (isa, args.fma_peak) {
@@ -446,11 +466,18 @@ fn warm_up() -> Result<()> {
     Ok(())
 }
 
-fn measure(dtype: DType, p: &Problem, progress: &Progress, min_runs: usize, backward: bool) -> Result<Measurement> {
+fn measure(
+    dtype: InputDType,
+    p: &Problem,
+    progress: &Progress,
+    min_runs: usize,
+    backward: bool,
+) -> Result<Measurement> {
     match dtype {
-        DType::F32 => measure_typed::<f32>(p, progress, min_runs, backward),
-        DType::F16 => measure_typed::<f16>(p, progress, min_runs, backward),
-        DType::BF16 => measure_typed::<bf16>(p, progress, min_runs, backward),
+        InputDType::Float(DType::F32) => measure_typed::<f32>(p, progress, min_runs, backward),
+        InputDType::Float(DType::F16) => measure_typed::<f16>(p, progress, min_runs, backward),
+        InputDType::Float(DType::BF16) => measure_typed::<bf16>(p, progress, min_runs, backward),
+        InputDType::Fp8E4m3 => measure_fp8(p, progress, min_runs),
     }
 }
 
@@ -572,13 +599,45 @@ fn measure_typed<T: Element>(p: &Problem, progress: &Progress, min_runs: usize, 
     Ok(Measurement { fwd_ms, runs, gflops: flops / (fwd_ms * 1e6), peak_extra: Some(peak_extra), fwdbwd })
 }
 
+/// The FP8 forward of one problem on the CPU: the inputs of [`inputs`] quantized per tensor before
+/// timing, then `flash_attn::forward_fp8` whole (it dequantizes to f32 and allocates `out` and
+/// `lse`, which the peak extra memory counts).
+fn measure_fp8(p: &Problem, progress: &Progress, min_runs: usize) -> Result<Measurement> {
+    let s = p.shape;
+    let [(q, q_scale), (k, k_scale), (v, v_scale)] = inputs::<f32>(s)?.map(|x| fp8::quantize(&x));
+    let scales = Fp8Scales { q: q_scale, k: k_scale, v: v_scale };
+    let [qs, ks, vs] = s.qkv();
+    let (q, k, v) = (Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &vs));
+    let mask = p.mask();
+    let spec = p.spec(&mask);
+    let forward = || -> Result<()> {
+        flash_attn::forward_fp8(&spec, &q, &k, &v, scales)?;
+        Ok(())
+    };
+    let (first, peak_extra) = progress.suspend(|| alloc::measure(forward));
+    first?;
+    let (fwd_ms, runs) = time_calls(min_runs, forward)?;
+    Ok(Measurement { fwd_ms, runs, gflops: p.flops() / (fwd_ms * 1e6), peak_extra: Some(peak_extra), fwdbwd: None })
+}
+
 /// The forward (and with `backward` the forward+backward) of one problem on the GPU, event-timed
 /// (see [`crate::gpu`]).
-fn measure_cuda(dtype: DType, p: &Problem, backward: bool) -> Result<Measurement> {
+fn measure_cuda(dtype: InputDType, p: &Problem, backward: bool) -> Result<Measurement> {
     match dtype {
-        DType::F32 => measure_cuda_typed::<f32>(p, backward),
-        DType::F16 => measure_cuda_typed::<f16>(p, backward),
-        DType::BF16 => measure_cuda_typed::<bf16>(p, backward),
+        InputDType::Float(DType::F32) => measure_cuda_typed::<f32>(p, backward),
+        InputDType::Float(DType::F16) => measure_cuda_typed::<f16>(p, backward),
+        InputDType::Float(DType::BF16) => measure_cuda_typed::<bf16>(p, backward),
+        InputDType::Fp8E4m3 => {
+            let mask = p.mask();
+            let t = gpu::time_forward_fp8(&p.spec(&mask), &p.shape.qkv().map(|s| s.to_vec()), MIN_RUNS)?;
+            Ok(Measurement {
+                fwd_ms: t.ms,
+                runs: t.runs,
+                gflops: p.flops() / (t.ms * 1e6),
+                peak_extra: t.peak_extra,
+                fwdbwd: None,
+            })
+        }
     }
 }
 
@@ -702,7 +761,7 @@ fn median(xs: &mut [f64]) -> f64 {
 
 /// One JSON line of the BENCH.md contract; with a forward+backward measurement also
 /// `fwdbwd_ms`, `fwdbwd_gflops`, `bwd_peak_extra_bytes` and `fwdbwd_runs`.
-fn json_line(device: Device, dtype: DType, p: &Problem, m: &Measurement) -> String {
+fn json_line(device: Device, dtype: InputDType, p: &Problem, m: &Measurement) -> String {
     let s = p.shape;
     let fwdbwd = match m.fwdbwd {
         Some(fb) => format!(
@@ -882,7 +941,7 @@ mod tests {
         let block = Some(BlockOpt { block_q: 64, block_k: 32, density: 30 });
         let p = Problem { shape: Shape { b: 1, hq: 2, hk: 2, sq: 256, sk: 256, d: 64 }, causal: false, block };
         let m = Measurement { fwd_ms: 1.0, runs: 5, gflops: 1.0, peak_extra: Some(0), fwdbwd: None };
-        let line = json_line(Device::Cpu, DType::F32, &p, &m);
+        let line = json_line(Device::Cpu, DType::F32.into(), &p, &m);
         for key in ["\"block_q\":64", "\"block_k\":32", "\"density_pct\":30", "\"visible_fraction\":"] {
             assert!(line.contains(key), "{key} missing in {line}");
         }
@@ -906,7 +965,7 @@ mod tests {
     fn json_line_has_the_contract_keys() {
         let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: true, block: None };
         let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: f64::INFINITY, peak_extra: Some(42), fwdbwd: None };
-        let line = json_line(Device::Cpu, DType::BF16, &p, &m);
+        let line = json_line(Device::Cpu, DType::BF16.into(), &p, &m);
         for key in
             ["device", "dtype", "b", "hq", "hk", "sq", "sk", "d", "causal", "fwd_ms", "gflops", "peak_extra_bytes"]
         {
@@ -921,7 +980,7 @@ mod tests {
         let p =
             Problem { shape: Shape { b: 32, hq: 16, hk: 16, sq: 512, sk: 512, d: 128 }, causal: false, block: None };
         let m = Measurement { fwd_ms: 0.25, runs: 200, gflops: 2.5e5, peak_extra: None, fwdbwd: None };
-        let line = json_line(Device::Cuda, DType::BF16, &p, &m);
+        let line = json_line(Device::Cuda, DType::BF16.into(), &p, &m);
         assert!(line.starts_with("{\"device\":\"cuda\",\"dtype\":\"bf16\","), "{line}");
         assert!(line.contains("\"fwd_ms\":0.250000,") && line.contains("\"peak_extra_bytes\":null,"), "{line}");
     }
@@ -941,7 +1000,7 @@ mod tests {
         let p = Problem { shape: Shape { b: 1, hq: 8, hk: 8, sq: 128, sk: 128, d: 64 }, causal: false, block: None };
         let fwdbwd = Some(FwdBwd { ms: 4.25, runs: 5, gflops: 12.5, bwd_peak_extra: Some(4096) });
         let m = Measurement { fwd_ms: 1.5, runs: 7, gflops: 3.0, peak_extra: Some(42), fwdbwd };
-        let line = json_line(Device::Cpu, DType::F32, &p, &m);
+        let line = json_line(Device::Cpu, DType::F32.into(), &p, &m);
         assert!(line.contains("\"fwd_ms\":1.500000,"), "{line}");
         assert!(line.contains("\"fwdbwd_ms\":4.250000,"), "{line}");
         assert!(line.contains("\"bwd_peak_extra_bytes\":4096,"), "{line}");

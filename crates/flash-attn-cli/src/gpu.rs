@@ -1,13 +1,14 @@
 //! The CLI's side of the CUDA backend (cargo feature `cuda`): opening the GPU, the forward and
-//! backward passes of `run` and `check`, the event-timed forward (and forward+backward) of `bench`,
-//! and compiling every kernel variant for `kernels --compile-all`.
+//! backward passes of `run` and `check` (and the FP8 forward), the event-timed forward (and
+//! forward+backward) of `bench`, and compiling every kernel variant for `kernels --compile-all`.
 //!
 //! Without the feature every entry point returns [`not_built`], so the subcommands need no `cfg` of
 //! their own. Everything about attention stays in the library (`flash_attn::cuda`); this module only
 //! moves buffers and reads the clock.
 
 use flash_attn::check::{BackwardReport, Case, CaseReport};
-use flash_attn::{AttentionSpec, Dropout, Element, Gradients, Output, Tensor};
+use flash_attn::{AttentionSpec, Dropout, Element, Fp8E4m3, Fp8Scales, Gradients, Output, Tensor};
+use half::bf16;
 
 use crate::{CliError, Result};
 
@@ -88,6 +89,27 @@ pub trait GpuElement: Element {
     ) -> Result<Output<Self>>;
 }
 
+/// The FP8 forward on GPU 0 for host tensors (`flash_attn::cuda::forward_fp8_host`): `out` in
+/// bf16. The outer error is the CLI's (no cuda in this build); the inner one is the library's
+/// answer, kept typed so that `check` can tell an [`flash_attn::Error::Unsupported`] (the FP8
+/// kernel needs sm_90a) from a failure.
+pub fn forward_fp8(
+    spec: &AttentionSpec<'_>,
+    q: &Tensor<'_, Fp8E4m3>,
+    k: &Tensor<'_, Fp8E4m3>,
+    v: &Tensor<'_, Fp8E4m3>,
+    scales: Fp8Scales,
+) -> Result<flash_attn::Result<Output<bf16>>> {
+    imp::forward_fp8(spec, q, k, v, scales)
+}
+
+/// Times the FP8 forward of a fixed-length problem with q, k, v of `shapes` on GPU 0, as
+/// [`GpuElement::time_forward`] does: inputs drawn as f32 normals and quantized per tensor
+/// (`flash_attn::fp8::quantize`), on the device with `out` (bf16) and `lse` before timing.
+pub fn time_forward_fp8(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing> {
+    imp::time_forward_fp8(spec, shapes, min_runs)
+}
+
 /// The event-timed median of `bench --decode` on the GPU.
 pub fn decode(
     dtype: flash_attn::DType,
@@ -115,6 +137,20 @@ mod imp {
     }
 
     pub fn compile_all(_archs: &[String], _pattern: &str) -> Result<Vec<Compiled>> {
+        Err(not_built())
+    }
+
+    pub fn forward_fp8(
+        _: &AttentionSpec<'_>,
+        _: &Tensor<'_, Fp8E4m3>,
+        _: &Tensor<'_, Fp8E4m3>,
+        _: &Tensor<'_, Fp8E4m3>,
+        _: Fp8Scales,
+    ) -> Result<flash_attn::Result<Output<bf16>>> {
+        Err(not_built())
+    }
+
+    pub fn time_forward_fp8(_: &AttentionSpec<'_>, _: &[Vec<usize>; 3], _: usize) -> Result<Timing> {
         Err(not_built())
     }
 
@@ -167,16 +203,17 @@ mod imp {
             }
         )*};
     }
-    not_built_element!(f32, half::f16, half::bf16);
+    not_built_element!(f32, half::f16, bf16);
 }
 
 #[cfg(feature = "cuda")]
 mod imp {
     use cudarc::driver::sys::{CUevent_flags, CUresult};
+    use cudarc::driver::CudaSlice;
     use cudarc::driver::DriverError;
     use flash_attn::check::{compare_gradients, report, Rng};
     use flash_attn::cuda::{self, Arch, CudaElement, DeviceTensor, DeviceTensorMut};
-    use flash_attn::{reference, DType};
+    use flash_attn::{fp8, reference, DType};
 
     pub fn decode(
         dtype: DType,
@@ -229,7 +266,7 @@ mod imp {
             num_splits: run.splits,
         })
     }
-    use half::{bf16, f16};
+    use half::f16;
 
     use super::*;
     use crate::run::zeroed;
@@ -378,23 +415,7 @@ mod imp {
         min_runs: usize,
         backward: bool,
     ) -> Result<Timing> {
-        // Shapes and options are checked on the host first, with zero-sized stand-ins.
-        let numel = |s: &[usize]| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-        let lens: Vec<usize> = shapes
-            .iter()
-            .map(|s| numel(s).ok_or_else(|| CliError::new(format!("shape {s:?} is too large"))))
-            .collect::<Result<_>>()?;
-        let units: Vec<Vec<()>> = lens.iter().map(|&n| vec![(); n]).collect();
-        let geometry = flash_attn::Geometry::new(
-            spec,
-            &Tensor::new(&units[0], &shapes[0]),
-            &Tensor::new(&units[1], &shapes[1]),
-            &Tensor::new(&units[2], &shapes[2]),
-        )?;
-        let out_shape = geometry.out_shape();
-        let out_len = numel(&out_shape).ok_or_else(|| CliError::new("`out` is too large"))?;
-        let lse_len = geometry.lse_len();
-
+        let Sizes { lens, out_shape, out_len, lse_len } = sizes(spec, shapes)?;
         let dev = cuda::default_device()?;
         let stream = dev.stream();
         let mut rng = Rng::new(0);
@@ -432,12 +453,46 @@ mod imp {
             Ok(())
         };
 
-        // Warm-up.
+        warm_up_and_time(dev, min_runs, &mut call)
+    }
+
+    /// Element counts of q, k, v, the shape and length of `out` and the length of `lse` of a
+    /// problem.
+    struct Sizes {
+        lens: Vec<usize>,
+        out_shape: Vec<usize>,
+        out_len: usize,
+        lse_len: usize,
+    }
+
+    /// The [`Sizes`] of q, k, v of `shapes` under `spec`: shapes and options are checked on the
+    /// host first, with zero-sized stand-ins, before anything is allocated on the device.
+    fn sizes(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3]) -> Result<Sizes> {
+        let numel = |s: &[usize]| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let lens: Vec<usize> = shapes
+            .iter()
+            .map(|s| numel(s).ok_or_else(|| CliError::new(format!("shape {s:?} is too large"))))
+            .collect::<Result<_>>()?;
+        let units: Vec<Vec<()>> = lens.iter().map(|&n| vec![(); n]).collect();
+        let geometry = flash_attn::Geometry::new(
+            spec,
+            &Tensor::new(&units[0], &shapes[0]),
+            &Tensor::new(&units[1], &shapes[1]),
+            &Tensor::new(&units[2], &shapes[2]),
+        )?;
+        let out_shape = geometry.out_shape();
+        let out_len = numel(&out_shape).ok_or_else(|| CliError::new("`out` is too large"))?;
+        Ok(Sizes { lens, out_shape, out_len, lse_len: geometry.lse_len() })
+    }
+
+    /// [`WARM_UP`] calls, one more between two readings of the memory pool (its peak extra device
+    /// memory), then the event-timed median of [`event_median`].
+    fn warm_up_and_time(dev: &cuda::Device, min_runs: usize, call: &mut dyn FnMut() -> Result<()>) -> Result<Timing> {
+        let stream = dev.stream();
         for _ in 0..WARM_UP {
             call()?;
         }
         stream.synchronize().map_err(driver("synchronize"))?;
-        // One more call between two readings of the pool: its peak extra device memory.
         let before = dev.memory_in_use()?;
         dev.reset_memory_peak()?;
         call()?;
@@ -446,8 +501,61 @@ mod imp {
             (Some((current, _)), Some((_, high))) => Some(high.saturating_sub(current) as usize),
             _ => None,
         };
-        let (ms, n) = event_median(dev, min_runs, &mut call)?;
+        let (ms, n) = event_median(dev, min_runs, call)?;
         Ok(Timing { ms, runs: n, peak_extra })
+    }
+
+    pub fn forward_fp8(
+        spec: &AttentionSpec<'_>,
+        q: &Tensor<'_, Fp8E4m3>,
+        k: &Tensor<'_, Fp8E4m3>,
+        v: &Tensor<'_, Fp8E4m3>,
+        scales: Fp8Scales,
+    ) -> Result<flash_attn::Result<Output<bf16>>> {
+        Ok(cuda::forward_fp8_host(spec, q, k, v, scales))
+    }
+
+    /// `n` e4m3 bytes cycling through [`POOL`] standard normal values quantized together (as
+    /// [`filled`]), and the descale factor: the pool's maximum is the tensor's, so this is the
+    /// per-tensor quantization of the cycled f32 values.
+    fn filled_fp8(name: &str, n: usize, rng: &mut Rng) -> Result<(Vec<u8>, f32)> {
+        let pool: Vec<f32> = (0..POOL.min(n)).map(|_| rng.normal() as f32).collect();
+        let (pool, scale) = fp8::quantize(&pool);
+        let pool: Vec<u8> = pool.iter().map(|x| x.to_bits()).collect();
+        let mut buf = zeroed::<u8>(name, &[n])?;
+        for chunk in buf.chunks_mut(POOL) {
+            chunk.copy_from_slice(&pool[..chunk.len()]);
+        }
+        Ok((buf, scale))
+    }
+
+    pub fn time_forward_fp8(spec: &AttentionSpec<'_>, shapes: &[Vec<usize>; 3], min_runs: usize) -> Result<Timing> {
+        let Sizes { lens, out_shape, out_len, lse_len } = sizes(spec, shapes)?;
+        let dev = cuda::default_device()?;
+        let stream = dev.stream();
+        let mut rng = Rng::new(0);
+        let mut upload = |name: &str, n: usize| -> Result<(CudaSlice<u8>, f32)> {
+            let (bits, scale) = filled_fp8(name, n, &mut rng)?;
+            Ok((stream.clone_htod(&bits).map_err(driver("upload"))?, scale))
+        };
+        let (q, q_scale) = upload("q", lens[0])?;
+        let (k, k_scale) = upload("k", lens[1])?;
+        let (v, v_scale) = upload("v", lens[2])?;
+        let scales = Fp8Scales { q: q_scale, k: k_scale, v: v_scale };
+        let mut out = stream.alloc_zeros::<bf16>(out_len.max(1)).map_err(driver("allocation of `out`"))?;
+        let mut lse = stream.alloc_zeros::<f32>(lse_len.max(1)).map_err(driver("allocation of `lse`"))?;
+        let mut call = || -> Result<()> {
+            let (qt, kt, vt) = (
+                DeviceTensor::new(q.as_view(), &shapes[0]),
+                DeviceTensor::new(k.as_view(), &shapes[1]),
+                DeviceTensor::new(v.as_view(), &shapes[2]),
+            );
+            let mut ot = DeviceTensorMut::new(out.slice_mut(0..out_len), &out_shape);
+            let mut lt = lse.slice_mut(0..lse_len);
+            dev.forward_fp8(spec, &qt, &kt, &vt, scales, &mut ot, &mut lt)?;
+            Ok(())
+        };
+        warm_up_and_time(dev, min_runs, &mut call)
     }
 
     macro_rules! cuda_element {

@@ -11,6 +11,7 @@ mod alloc;
 mod bench;
 mod check;
 mod decode_bench;
+mod dtype;
 mod gpu;
 mod io;
 mod kernels;

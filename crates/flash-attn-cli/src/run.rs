@@ -1,17 +1,23 @@
 //! `flash-attn run`: attention on the tensors of a safetensors file (DESIGN §5): the forward pass,
 //! optionally with dropout, and with `--backward` the gradients of a given `dout`; or, when the
 //! file holds a KV cache, one inference step of `flash_attn::kvcache` (DESIGN §6).
+//!
+//! FP8: `F8_E4M3` inputs (with optional F32 scalar descale factors `q_descale`, `k_descale`,
+//! `v_descale`, each 1 when absent), or float inputs with `--dtype fp8e4m3` (quantized per tensor
+//! with `flash_attn::fp8::quantize`), run `flash_attn::forward_fp8` (on cuda its device version):
+//! `out` in BF16, `lse` in F32; forward only, not in KV-cache mode.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
 use flash_attn::kvcache::{self, KvCache};
-use flash_attn::{AttentionSpec, DType, Dropout, Output, Tensor, TensorMut};
+use flash_attn::{fp8, AttentionSpec, DType, Dropout, Element, Fp8E4m3, Fp8Scales, Output, Tensor, TensorMut};
 use half::{bf16, f16};
 use safetensors::Dtype;
 
-use crate::gpu::GpuElement;
+use crate::dtype::{InputDType, DTYPE_VALUES};
+use crate::gpu::{self, GpuElement};
 use crate::progress::Progress;
 use crate::safetensors_io::{self, Input, LeScalar, OwnedTensor};
 use crate::{CliError, Device, Result};
@@ -19,9 +25,11 @@ use crate::{CliError, Device, Result};
 /// Arguments of `flash-attn run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// safetensors file with `q`, `k`, `v` (F32, F16 or BF16); optional `cu_seqlens_q` and
-    /// `cu_seqlens_k` (I32, packed varlen), `alibi_slopes` (F32 [hq] or [b, hq]), `block_mask`
-    /// (U8 or BOOL, nonzero = visible); `dout` (dtype of q, shape of out) for `--backward`.
+    /// safetensors file with `q`, `k`, `v` (F32, F16 or BF16; or F8_E4M3, see `--dtype`);
+    /// optional `cu_seqlens_q` and `cu_seqlens_k` (I32, packed varlen), `alibi_slopes` (F32 [hq]
+    /// or [b, hq]), `block_mask` (U8 or BOOL, nonzero = visible); `dout` (dtype of q, shape of
+    /// out) for `--backward`; with F8_E4M3 inputs, their descale factors `q_descale`,
+    /// `k_descale`, `v_descale` (F32, one element each; 1 when absent).
     /// KV-cache mode when it holds `k_cache`, `v_cache` ([b_cache, s_cache, hk, d|dv], or
     /// [num_pages, page_size, hk, d|dv] with `block_table` I32 [b, max_pages]) and
     /// `cache_seqlens` (I32 [b]): `q` is [b, sq, hq, d]; optional new tokens `k`, `v`
@@ -31,11 +39,20 @@ pub struct RunArgs {
     #[arg(long, value_name = "IN.safetensors")]
     input: PathBuf,
 
-    /// File to write `out` (dtype of q) and `lse` (F32) to, with `--backward` also `dq`, `dk`,
-    /// `dv`, in KV-cache mode also the updated `k_cache` and `v_cache`; untouched if anything
-    /// fails.
+    /// File to write `out` (dtype of q; BF16 for FP8) and `lse` (F32) to, with `--backward` also
+    /// `dq`, `dk`, `dv`, in KV-cache mode also the updated `k_cache` and `v_cache`; untouched if
+    /// anything fails.
     #[arg(long, value_name = "OUT.safetensors")]
     output: PathBuf,
+
+    /// Element type to run in; by default that of `q`, `k`, `v`. `fp8e4m3` (aliases `fp8`,
+    /// `e4m3`, `float8_e4m3fn`) runs the FP8 forward: F32, F16 or BF16 inputs are quantized per
+    /// tensor (descale factor = max|x| / 448); F8_E4M3 inputs run it without the flag, their real
+    /// values the elements times `q_descale`, `k_descale`, `v_descale`. `out` is then BF16. FP8 is
+    /// forward only (no `--backward`) and not in KV-cache mode. `f32`, `f16`, `bf16` must match
+    /// the inputs: `run` converts to FP8 only.
+    #[arg(long, value_name = DTYPE_VALUES)]
+    dtype: Option<InputDType>,
 
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
@@ -110,6 +127,9 @@ where
 pub fn main(args: &RunArgs) -> Result<ExitCode> {
     args.device.ensure_available()?;
     let dropout = dropout_setting(args)?;
+    if args.backward && args.dtype == Some(InputDType::Fp8E4m3) {
+        return Err(no_fp8_backward());
+    }
     let _spinner = Progress::spinner(if args.backward { "attention forward + backward" } else { "attention" });
     let bytes = safetensors_io::read_file(&args.input)?;
     let input = Input::parse(&bytes, &args.input)?;
@@ -152,8 +172,8 @@ fn dropout_setting(args: &RunArgs) -> Result<Option<Dropout>> {
 
 /// The element type of the tensors `required` (which the file must have) and `optional` (where
 /// present), which must agree; `group` names them all for the message.
-fn input_dtype(input: &Input<'_>, required: &[&str], optional: &[&str], group: &str) -> Result<DType> {
-    let mut dtype = None;
+fn input_dtype(input: &Input<'_>, required: &[&str], optional: &[&str], group: &str) -> Result<InputDType> {
+    let mut first: Option<(Dtype, InputDType)> = None;
     for &name in required.iter().chain(optional) {
         let view = if required.contains(&name) {
             input.require(name)?
@@ -162,32 +182,73 @@ fn input_dtype(input: &Input<'_>, required: &[&str], optional: &[&str], group: &
         } else {
             continue;
         };
-        let this = match view.dtype() {
-            Dtype::F32 => DType::F32,
-            Dtype::F16 => DType::F16,
-            Dtype::BF16 => DType::BF16,
-            other => return Err(CliError::new(format!("`{name}` has dtype {other:?}; expected F32, F16 or BF16"))),
+        let this = view.dtype();
+        let Some(element) = element_type(this) else {
+            return Err(CliError::new(format!("`{name}` has dtype {this:?}; expected F32, F16, BF16 or F8_E4M3")));
         };
-        match dtype {
-            None => dtype = Some(this),
-            Some(q) if q != this => {
+        match first {
+            None => first = Some((this, element)),
+            Some((q, _)) if q != this => {
                 return Err(CliError::new(format!(
-                    "`{name}` is {} but `q` is {}; {group} must share one dtype",
-                    this.name().to_uppercase(),
-                    q.name().to_uppercase()
+                    "`{name}` is {this:?} but `q` is {q:?}; {group} must share one dtype"
                 )))
             }
             Some(_) => {}
         }
     }
-    dtype.ok_or_else(|| CliError::new("no input tensors"))
+    first.map(|(_, element)| element).ok_or_else(|| CliError::new("no input tensors"))
+}
+
+/// The element type attention takes for a safetensors dtype, if any.
+fn element_type(dtype: Dtype) -> Option<InputDType> {
+    match dtype {
+        Dtype::F32 => Some(InputDType::Float(DType::F32)),
+        Dtype::F16 => Some(InputDType::Float(DType::F16)),
+        Dtype::BF16 => Some(InputDType::Float(DType::BF16)),
+        Dtype::F8_E4M3 => Some(InputDType::Fp8E4m3),
+        _ => None,
+    }
+}
+
+/// The dtype to run in: `--dtype` where given, else that of the inputs (`file`). The only
+/// conversion is quantizing float inputs to FP8.
+fn run_dtype(args: &RunArgs, file: InputDType) -> Result<InputDType> {
+    match (args.dtype, file) {
+        (None, file) => Ok(file),
+        (Some(asked), file) if asked == file => Ok(file),
+        (Some(InputDType::Fp8E4m3), InputDType::Float(_)) => Ok(InputDType::Fp8E4m3),
+        (Some(asked), InputDType::Fp8E4m3) => Err(CliError::new(format!(
+            "`q`, `k` and `v` are F8_E4M3 but `--dtype {asked}` was given; `run` does not dequantize \
+             (drop `--dtype`, or give `fp8e4m3`)"
+        ))),
+        (Some(asked), InputDType::Float(file)) => Err(CliError::new(format!(
+            "`q`, `k` and `v` are {} but `--dtype {asked}` was given; `run` converts only to fp8e4m3 \
+             (per-tensor quantization), so a float `--dtype` must match the inputs",
+            file.name().to_uppercase()
+        ))),
+    }
 }
 
 fn attend(args: &RunArgs, dropout: Option<Dropout>, input: &Input<'_>) -> Result<Vec<(&'static str, OwnedTensor)>> {
-    match input_dtype(input, &["q", "k", "v"], &[], "q, k and v")? {
-        DType::F32 => attend_typed::<f32>(args, dropout, input),
-        DType::F16 => attend_typed::<f16>(args, dropout, input),
-        DType::BF16 => attend_typed::<bf16>(args, dropout, input),
+    let file = input_dtype(input, &["q", "k", "v"], &[], "q, k and v")?;
+    if let InputDType::Float(dtype) = file {
+        if let Some(name) = first_present(input, &DESCALE_TENSORS)? {
+            return Err(CliError::new(format!(
+                "`{name}` is a descale factor of F8_E4M3 inputs, but `q`, `k` and `v` are {}{}",
+                dtype.name().to_uppercase(),
+                if args.dtype == Some(InputDType::Fp8E4m3) {
+                    " (`--dtype fp8e4m3` computes their factors when it quantizes them)"
+                } else {
+                    ""
+                }
+            )));
+        }
+    }
+    match run_dtype(args, file)? {
+        InputDType::Float(DType::F32) => attend_typed::<f32>(args, dropout, input),
+        InputDType::Float(DType::F16) => attend_typed::<f16>(args, dropout, input),
+        InputDType::Float(DType::BF16) => attend_typed::<bf16>(args, dropout, input),
+        InputDType::Fp8E4m3 => attend_fp8(args, dropout, input, file),
     }
 }
 
@@ -393,6 +454,96 @@ fn attend_typed<T: GpuElement + LeScalar>(
 }
 
 // ---------------------------------------------------------------------------------------------
+// FP8 inputs (docs/semantics.md, "FP8 inputs")
+// ---------------------------------------------------------------------------------------------
+
+/// The optional descale factors of F8_E4M3 `q`, `k`, `v` (FlashAttention-3's `descale_q/k/v`):
+/// F32, one element each, 1 when absent.
+const DESCALE_TENSORS: [&str; 3] = ["q_descale", "k_descale", "v_descale"];
+
+/// The error of `--backward` with FP8 inputs.
+fn no_fp8_backward() -> CliError {
+    CliError::new("`--backward` with FP8 (e4m3) inputs: there is no FP8 backward pass; FP8 runs forward only")
+}
+
+/// The first of `names` that the file has.
+fn first_present<'n>(input: &Input<'_>, names: &[&'n str]) -> Result<Option<&'n str>> {
+    for &name in names {
+        if input.get(name)?.is_some() {
+            return Ok(Some(name));
+        }
+    }
+    Ok(None)
+}
+
+/// The descale factor `name` of the file: an F32 tensor of one element (any shape: `[]`, `[1]`,
+/// FlashAttention-3's `[1, 1]`), 1 when absent. The library checks that it is positive and finite.
+fn descale(input: &Input<'_>, name: &str) -> Result<f32> {
+    let Some(t) = input.get(name)? else { return Ok(1.0) };
+    match safetensors_io::decode::<f32>(name, &t)?[..] {
+        [x] => Ok(x),
+        _ => Err(CliError::new(format!(
+            "`{name}` must hold one F32 value (a per-tensor descale factor), got shape {:?}",
+            t.shape()
+        ))),
+    }
+}
+
+/// `q`, `k`, `v` of the file in FP8 and their descale factors: F8_E4M3 tensors as they are, with
+/// the file's [`DESCALE_TENSORS`]; F32, F16 or BF16 tensors quantized per tensor.
+fn fp8_inputs(input: &Input<'_>, file: InputDType) -> Result<([Owned<Fp8E4m3>; 3], Fp8Scales)> {
+    match file {
+        InputDType::Fp8E4m3 => {
+            let [q, k, v] = ["q", "k", "v"].map(|name| required_tensor::<Fp8E4m3>(input, name));
+            let [dq, dk, dv] = DESCALE_TENSORS.map(|name| descale(input, name));
+            Ok(([q?, k?, v?], Fp8Scales { q: dq?, k: dk?, v: dv? }))
+        }
+        InputDType::Float(DType::F32) => quantized::<f32>(input),
+        InputDType::Float(DType::F16) => quantized::<f16>(input),
+        InputDType::Float(DType::BF16) => quantized::<bf16>(input),
+    }
+}
+
+/// `q`, `k`, `v` of dtype `T` quantized per tensor with `flash_attn::fp8::quantize`.
+fn quantized<T: Element + LeScalar>(input: &Input<'_>) -> Result<([Owned<Fp8E4m3>; 3], Fp8Scales)> {
+    let one = |name: &str| -> Result<(Owned<Fp8E4m3>, f32)> {
+        let t = required_tensor::<T>(input, name)?;
+        let mut wide = zeroed::<f32>(name, &t.shape)?;
+        wide.iter_mut().zip(&t.data).for_each(|(w, x)| *w = x.to_f32());
+        let (data, scale) = fp8::quantize(&wide);
+        Ok((Owned { data, shape: t.shape }, scale))
+    };
+    let [(q, dq), (k, dk), (v, dv)] = [one("q")?, one("k")?, one("v")?];
+    Ok(([q, k, v], Fp8Scales { q: dq, k: dk, v: dv }))
+}
+
+/// The FP8 forward (`flash_attn::forward_fp8`, on cuda the FP8 kernel) on the file's inputs, F8_E4M3
+/// or quantized from `file`'s float type: `out` in BF16, `lse` in F32. Options the CUDA FP8 kernel
+/// lacks come back as the library's `Unsupported`.
+fn attend_fp8(
+    args: &RunArgs,
+    dropout: Option<Dropout>,
+    input: &Input<'_>,
+    file: InputDType,
+) -> Result<Vec<(&'static str, OwnedTensor)>> {
+    if args.backward {
+        return Err(no_fp8_backward());
+    }
+    let ([q, k, v], scales) = fp8_inputs(input, file)?;
+    let extras = read_extras(args, input)?;
+    let spec = spec(args, &extras, dropout);
+    let (q, k, v) = (q.view(), k.view(), v.view());
+    let res = match args.device {
+        Device::Cpu => flash_attn::forward_fp8(&spec, &q, &k, &v, scales)?,
+        Device::Cuda => gpu::forward_fp8(&spec, &q, &k, &v, scales)??,
+    };
+    Ok(vec![
+        ("out", OwnedTensor::encode(&res.out, &res.out_shape)),
+        ("lse", OwnedTensor::encode(&res.lse, &res.lse_shape)),
+    ])
+}
+
+// ---------------------------------------------------------------------------------------------
 // KV-cache mode (DESIGN §6)
 // ---------------------------------------------------------------------------------------------
 
@@ -457,6 +608,9 @@ fn kvcache_attend(args: &RunArgs, input: &Input<'_>) -> Result<Vec<(&'static str
         ("block_mask", "a KV-cache call takes no block mask"),
         ("cu_seqlens_q", "lengths come from `cache_seqlens`"),
         ("cu_seqlens_k", "lengths come from `cache_seqlens`"),
+        ("q_descale", "FP8 inputs are not available there"),
+        ("k_descale", "FP8 inputs are not available there"),
+        ("v_descale", "FP8 inputs are not available there"),
     ];
     for (name, why) in unsupported {
         if input.get(name)?.is_some() {
@@ -467,7 +621,14 @@ fn kvcache_attend(args: &RunArgs, input: &Input<'_>) -> Result<Vec<(&'static str
         }
     }
     let group = "q, k_cache, v_cache, k, v, rotary_cos and rotary_sin";
-    match input_dtype(input, &["q", "k_cache", "v_cache"], &KV_OPTIONAL_ELEMENTS, group)? {
+    let file = input_dtype(input, &["q", "k_cache", "v_cache"], &KV_OPTIONAL_ELEMENTS, group)?;
+    let InputDType::Float(dtype) = run_dtype(args, file)? else {
+        return Err(CliError::new(
+            "FP8 (e4m3) is not available in KV-cache mode (the input holds `k_cache`, `v_cache` and \
+             `cache_seqlens`): the cache and `q` must be F32, F16 or BF16",
+        ));
+    };
+    match dtype {
         DType::F32 => kvcache_typed::<f32>(args, input),
         DType::F16 => kvcache_typed::<f16>(args, input),
         DType::BF16 => kvcache_typed::<bf16>(args, input),

@@ -9,6 +9,7 @@ use std::fs::OpenOptions;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use flash_attn::Fp8E4m3;
 use half::{bf16, f16};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors, View};
@@ -49,6 +50,19 @@ le_scalar!(f16, Dtype::F16, 2);
 le_scalar!(bf16, Dtype::BF16, 2);
 le_scalar!(i32, Dtype::I32, 4);
 le_scalar!(u8, Dtype::U8, 1);
+
+/// FP8 e4m3 inputs: safetensors' `F8_E4M3` is PyTorch's `float8_e4m3fn`, the format of
+/// [`Fp8E4m3`], one byte an element.
+impl LeScalar for Fp8E4m3 {
+    const DTYPE: Dtype = Dtype::F8_E4M3;
+    const SIZE: usize = 1;
+    fn read_le(bytes: &[u8]) -> Self {
+        Fp8E4m3::from_bits(bytes[0])
+    }
+    fn write_le(self, out: &mut Vec<u8>) {
+        out.push(self.to_bits());
+    }
+}
 
 /// Reads a whole file into memory.
 pub fn read_file(path: &Path) -> Result<Vec<u8>> {

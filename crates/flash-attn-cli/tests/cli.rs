@@ -6,8 +6,8 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use flash_attn::check::{compare, compare_gradient, max_abs, Rng};
-use flash_attn::{AttentionSpec, Causal, Element, Tensor};
+use flash_attn::check::{compare, compare_fp8, compare_gradient, max_abs, Rng};
+use flash_attn::{fp8, AttentionSpec, Causal, Element, Fp8E4m3, Tensor};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
@@ -710,6 +710,163 @@ fn conflicting_causal_flags_are_rejected() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// FP8 (e4m3): F8_E4M3 inputs and `--dtype fp8e4m3`, forward only, `out` in BF16
+// ---------------------------------------------------------------------------------------------
+
+/// One FP8 input tensor: e4m3 elements and, where the file names one, its descale factor.
+struct Fp8Tensor {
+    data: Vec<Fp8E4m3>,
+    shape: Vec<usize>,
+    /// Written as `<name>_descale`; `None` leaves it out of the file (factor 1).
+    descale: Option<f32>,
+}
+
+impl Fp8Tensor {
+    /// Normals of amplitude `amp` quantized per tensor (a factor that is not 1).
+    fn quantized(rng: &mut Rng, shape: &[usize], amp: f32) -> Self {
+        let x: Vec<f32> = normal::<f32>(rng, shape).iter().map(|x| x * amp).collect();
+        let (data, scale) = fp8::quantize(&x);
+        Self { data, shape: shape.to_vec(), descale: Some(scale) }
+    }
+
+    /// Normals of amplitude `amp` rounded to e4m3 as they are: real values without a factor.
+    fn unscaled(rng: &mut Rng, shape: &[usize], amp: f32) -> Self {
+        let data = normal::<f32>(rng, shape).iter().map(|x| Fp8E4m3::from_f32(x * amp)).collect();
+        Self { data, shape: shape.to_vec(), descale: None }
+    }
+
+    fn raw(&self) -> Raw {
+        Raw { dtype: Dtype::F8_E4M3, shape: self.shape.clone(), bytes: self.data.iter().map(|x| x.to_bits()).collect() }
+    }
+
+    /// The real values: the elements times the factor (1 without one).
+    fn dequantized(&self) -> Vec<f32> {
+        fp8::dequantize(&self.data, self.descale.unwrap_or(1.0))
+    }
+}
+
+/// F8_E4M3 `q [1, 24, 4, 32]` and `k`, `v [1, 40, 2, 32]`: `q` and `k` with descale factors in the
+/// file, `v` without one.
+fn fp8_inputs() -> [Fp8Tensor; 3] {
+    let mut rng = Rng::new(0xF8);
+    [
+        Fp8Tensor::quantized(&mut rng, &[1, 24, 4, 32], 3.0),
+        Fp8Tensor::quantized(&mut rng, &[1, 40, 2, 32], 0.5),
+        Fp8Tensor::unscaled(&mut rng, &[1, 40, 2, 32], 2.0),
+    ]
+}
+
+fn fp8_tensors(inputs: &[Fp8Tensor; 3]) -> Vec<(&'static str, Raw)> {
+    let mut t = Vec::new();
+    for (name, descale, x) in
+        [("q", "q_descale", &inputs[0]), ("k", "k_descale", &inputs[1]), ("v", "v_descale", &inputs[2])]
+    {
+        t.push((name, x.raw()));
+        if let Some(f) = x.descale {
+            t.push((descale, raw(&[f], &[])));
+        }
+    }
+    t
+}
+
+/// Checks `out` (BF16) and `lse` (F32) of an output file against the oracle and `naive_fp8` on the
+/// real (dequantized) inputs `[q, k, v]`, under the FP8 contract.
+fn assert_fp8_output_meets_the_contract(bytes: &[u8], spec: &AttentionSpec<'_>, real: [(&[f32], &[usize]); 3]) {
+    let st = SafeTensors::deserialize(bytes).expect("output is safetensors");
+    let [q, k, v] = real.map(|(x, shape)| Tensor::new(x, shape));
+    let g = spec.geometry(&q, &k, &v).expect("valid problem");
+    let out = output_tensor::<bf16>(&st, "out", &g.out_shape());
+    let lse = output_tensor::<f32>(&st, "lse", &g.lse_shape());
+    let oracle = flash_attn::reference::forward(spec, &q, &k, &v).expect("oracle");
+    let naive = flash_attn::reference::naive_fp8(spec, &q, &k, &v).expect("naive fp8");
+    let c_out = compare_fp8(&out, &oracle.out, &naive.out);
+    let c_lse = compare_fp8(&lse, &oracle.lse, &naive.lse);
+    assert!(c_out.passed() && c_out.max_ref > 0.0, "out: {c_out}");
+    assert!(c_lse.passed(), "lse: {c_lse}");
+}
+
+#[test]
+fn run_f8_e4m3_inputs_with_descale_factors_meet_the_fp8_contract() {
+    let inputs = fp8_inputs();
+    let bytes = run_ok(&fp8_tensors(&inputs), &["--causal".to_owned()]);
+    let real = inputs.each_ref().map(Fp8Tensor::dequantized);
+    let real = [0, 1, 2].map(|i| (real[i].as_slice(), inputs[i].shape.as_slice()));
+    assert_fp8_output_meets_the_contract(&bytes, &AttentionSpec::new().causal(), real);
+}
+
+#[test]
+fn run_float_inputs_with_dtype_fp8_are_quantized_per_tensor() {
+    let inputs = Inputs::<bf16>::fixed(40, 2, (20, 33), (2, 1), (16, 16));
+    let bytes = run_ok(&inputs.tensors(), &["--dtype".to_owned(), "e4m3".to_owned(), "--window=8,2".to_owned()]);
+    // The oracle sees what the command ran on: each tensor widened, quantized and dequantized.
+    let real = [&inputs.q, &inputs.k, &inputs.v].map(|(x, _)| {
+        let (q8, scale) = fp8::quantize(&x.iter().map(|x| x.to_f32()).collect::<Vec<_>>());
+        fp8::dequantize(&q8, scale)
+    });
+    let shapes = [&inputs.q.1, &inputs.k.1, &inputs.v.1];
+    let real = [0, 1, 2].map(|i| (real[i].as_slice(), shapes[i].as_slice()));
+    assert_fp8_output_meets_the_contract(&bytes, &AttentionSpec::new().window(8, 2), real);
+}
+
+#[test]
+fn run_fp8_with_backward_is_rejected() {
+    let line = assert_rejected(Content::Tensors(fp8_tensors(&fp8_inputs())), &["--backward"]);
+    assert!(line.contains("backward") && line.contains("FP8"), "{line}");
+    let line = assert_rejected(Content::Tensors(valid()), &["--dtype", "fp8e4m3", "--backward"]);
+    assert!(line.contains("backward") && line.contains("FP8"), "{line}");
+}
+
+#[test]
+fn descale_factors_of_float_inputs_are_rejected() {
+    let line = assert_rejected(Content::Tensors(with("k_descale", raw(&[0.5f32], &[]))), &[]);
+    assert!(line.contains("k_descale") && line.contains("F8_E4M3"), "{line}");
+    assert_rejected(Content::Tensors(with("q_descale", raw(&[0.5f32], &[]))), &["--dtype", "fp8"]);
+}
+
+#[test]
+fn descale_factor_that_is_not_one_positive_f32_is_rejected() {
+    let bad = [
+        raw(&[0.5f32, 0.5], &[2]),
+        raw(&[f16::from_f32(0.5)], &[1]),
+        raw(&[0.0f32], &[]),
+        raw(&[f32::INFINITY], &[1, 1]),
+    ];
+    for descale in bad {
+        let mut tensors = fp8_tensors(&fp8_inputs());
+        tensors.retain(|(n, _)| *n != "k_descale");
+        tensors.push(("k_descale", descale));
+        let line = assert_rejected(Content::Tensors(tensors), &[]);
+        assert!(line.contains("k_descale") || line.contains("descale factor of `k`"), "{line}");
+    }
+}
+
+#[test]
+fn float_dtype_that_does_not_match_the_inputs_is_rejected() {
+    let line = assert_rejected(Content::Tensors(valid()), &["--dtype", "bf16"]);
+    assert!(line.contains("--dtype bf16") && line.contains("F32"), "{line}");
+    let line = assert_rejected(Content::Tensors(fp8_tensors(&fp8_inputs())), &["--dtype", "f16"]);
+    assert!(line.contains("F8_E4M3") && line.contains("dequantize"), "{line}");
+    assert_rejected(Content::Tensors(valid()), &["--dtype", "fp4"]);
+}
+
+#[test]
+fn f8_e4m3_mixed_with_float_inputs_is_rejected() {
+    // `valid()`'s q shape [1, 5, 4, 8], all ones in e4m3.
+    let q = Raw { dtype: Dtype::F8_E4M3, shape: vec![1, 5, 4, 8], bytes: vec![0x38; 160] };
+    let line = assert_rejected(Content::Tensors(with("q", q)), &[]);
+    assert!(line.contains("F8_E4M3") && line.contains("one dtype"), "{line}");
+}
+
+#[test]
+fn help_documents_fp8e4m3_where_a_dtype_is_taken() {
+    for command in ["run", "bench", "check"] {
+        let res = flash_attn(&[command, "--help"]);
+        let help = String::from_utf8_lossy(&res.stdout);
+        assert!(res.status.success() && help.contains("fp8e4m3") && help.contains("float8_e4m3fn"), "{help}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // check and bench
 // ---------------------------------------------------------------------------------------------
 
@@ -727,6 +884,14 @@ fn check_forward_only_reports_all_cases_passed() {
     let stdout = String::from_utf8_lossy(&res.stdout);
     assert!(res.status.success(), "{stdout}{}", String::from_utf8_lossy(&res.stderr));
     assert_eq!(stdout.lines().last(), Some("20 passed, 0 failed"), "{stdout}");
+}
+
+#[test]
+fn check_fp8_reports_all_cases_passed() {
+    let res = flash_attn(&["check", "--dtype", "fp8e4m3", "--cases", "30", "--seed", "3"]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "{stdout}{}", String::from_utf8_lossy(&res.stderr));
+    assert_eq!(stdout.lines().last(), Some("30 passed, 0 failed"), "{stdout}");
 }
 
 /// A flat JSON object (`"key": string | number | bool | null`), as `bench --json` prints.
@@ -817,6 +982,43 @@ fn bench_backward_table_has_forward_and_backward_columns() {
     for column in ["fwd ms", "fwd+bwd ms", "fwd+bwd GFLOP/s", "bwd peak extra"] {
         assert!(header.contains(column), "{column} missing in {header}");
     }
+}
+
+#[test]
+fn bench_fp8_json_line_names_the_dtype() {
+    for alias in ["fp8e4m3", "float8_e4m3fn"] {
+        let (line, fields) = bench_json(&[
+            "bench",
+            "--device",
+            "cpu",
+            "--dtype",
+            alias,
+            "--shape",
+            "1,4,2,48,64,32",
+            "--causal",
+            "--json",
+        ]);
+        let get = |k: &str| fields.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+        assert_eq!((get("device"), get("dtype")), (Some("\"cpu\""), Some("\"fp8e4m3\"")), "{line}");
+        assert_eq!(
+            (get("hq"), get("hk"), get("sq"), get("sk"), get("d")),
+            (Some("4"), Some("2"), Some("48"), Some("64"), Some("32"))
+        );
+        for key in ["fwd_ms", "gflops"] {
+            assert!(get(key).and_then(|v| v.parse::<f64>().ok()).is_some_and(|x| x > 0.0), "{key} in {line}");
+        }
+        assert!(get("fwdbwd_ms").is_none(), "{line}");
+    }
+}
+
+#[test]
+fn bench_fp8_with_backward_or_decode_is_a_one_line_error() {
+    let args = ["bench", "--dtype", "fp8", "--shape", "1,2,2,32,32,16", "--backward", "--json"];
+    let line = assert_error_output(&args, &flash_attn(&args));
+    assert!(line.contains("--backward") && line.contains("FP8"), "{line}");
+    let args = ["bench", "--dtype", "e4m3", "--decode", "--shape", "1,2,2,1,32,16"];
+    let line = assert_error_output(&args, &flash_attn(&args));
+    assert!(line.contains("--decode"), "{line}");
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -992,6 +1194,46 @@ fn cuda_backward_bench_runs_or_reports_a_missing_gpu() {
     }
     let line = assert_error_output(&args, &res);
     assert!(line.contains("CUDA") || line.contains("NVRTC"), "{line}");
+}
+
+/// In a cuda build: the FP8 forward of `run`, `bench` and `check` on cuda meets the FP8 contract,
+/// times, or skips its cases on a GPU without sm_90a; without a GPU each is one line, exit 2.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_fp8_runs_or_reports_why_not() {
+    let inputs = fp8_inputs();
+    let dir = TempDir::new("fp8-cuda");
+    let (input, output) = (dir.path("in.safetensors"), dir.path("out.safetensors"));
+    save(&input, &fp8_tensors(&inputs));
+    let args = ["--device".to_owned(), "cuda".to_owned(), "--causal".to_owned()];
+    let res = run(&input, &output, &args);
+    if res.status.success() {
+        let real = inputs.each_ref().map(Fp8Tensor::dequantized);
+        let real = [0, 1, 2].map(|i| (real[i].as_slice(), inputs[i].shape.as_slice()));
+        let bytes = std::fs::read(&output).expect("read output");
+        assert_fp8_output_meets_the_contract(&bytes, &AttentionSpec::new().causal(), real);
+    } else {
+        let line = assert_error_output(&["run", "--device", "cuda"], &res);
+        assert!(line.contains("CUDA") || line.contains("NVRTC") || line.contains("sm_90a"), "{line}");
+    }
+    let args = ["bench", "--device", "cuda", "--dtype", "fp8e4m3", "--shape", "1,2,2,256,256,64", "--json"];
+    let res = flash_attn(&args);
+    if res.status.success() {
+        assert!(String::from_utf8_lossy(&res.stdout).contains("\"dtype\":\"fp8e4m3\""));
+    } else {
+        let line = assert_error_output(&args, &res);
+        assert!(line.contains("CUDA") || line.contains("NVRTC") || line.contains("sm_90a"), "{line}");
+    }
+    let args = ["check", "--device", "cuda", "--dtype", "fp8", "--cases", "6"];
+    let res = flash_attn(&args);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    if res.status.success() {
+        let last = stdout.lines().last().unwrap_or("");
+        assert!(last == "6 passed, 0 failed" || last == "0 passed, 0 failed, 6 skipped", "{stdout}");
+    } else {
+        let line = assert_error_output(&args, &res);
+        assert!(line.contains("CUDA") || line.contains("NVRTC"), "{line}");
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -410,6 +410,16 @@ fn valid_control_input_succeeds() {
 }
 
 #[test]
+fn fp8_is_rejected_in_kvcache_mode() {
+    let msg = assert_rejected(&valid().tensors(), &["--dtype", "fp8e4m3"]);
+    assert!(msg.contains("FP8") && msg.contains("KV-cache"), "{msg}");
+    let cache = valid().k_cache;
+    let bits = Raw { dtype: Dtype::F8_E4M3, shape: cache.shape.clone(), bytes: vec![0x38; cache.data.len()] };
+    let msg = assert_rejected(&with(&valid(), "k_cache", bits), &[]);
+    assert!(msg.contains("k_cache") && msg.contains("F8_E4M3"), "{msg}");
+}
+
+#[test]
 fn block_table_entry_past_the_pages_is_rejected() {
     let mut inputs = valid();
     let table = inputs.block_table.as_mut().expect("paged");
