@@ -8,9 +8,9 @@
 //!                  [--pass fwd|bwd] [--deterministic] [--dropout P] [--softcap C]
 //!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048; `bwd`
 //!                                          times the backward pass alone (FLOPs 2.5 × forward)
-//! cuda_bench sanitize [fp8]                a few small forward and backward launches (dropout,
+//! cuda_bench sanitize [fp8|NAME]           a few small forward and backward launches (dropout,
 //!                                          deterministic), for compute-sanitizer (`fp8`: the FP8
-//!                                          forward's alone)
+//!                                          forward's alone; NAME: the variants whose name has it)
 //! cuda_bench bench-fp8 [--d 128] [--seqs ..] [--causal both] [--reps N]
 //!                                          the FP8 (e4m3) forward (both kernels) and the bf16
 //!                                          forward on the same shapes, one after another per rep
@@ -37,7 +37,7 @@ fn main() {
             args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1),
         ),
         "bench" => bench(&args[1..]),
-        "sanitize" => sanitize(args.get(1).map(String::as_str) == Some("fp8")),
+        "sanitize" => sanitize(args.get(1).map(String::as_str)),
         "bench-fp8" => bench_fp8(&args[1..]),
         other => {
             eprintln!("unknown command `{other}`");
@@ -180,7 +180,9 @@ fn use_paths(c: &mut Case, extras: ExtraPaths) {
     }
 }
 
-fn sanitize(fp8_only: bool) -> Result<()> {
+/// `only`: `fp8` runs the FP8 cases alone; another word runs only the forward and backward
+/// variants whose name contains it (one launch each); none runs everything.
+fn sanitize(only: Option<&str>) -> Result<()> {
     let mut rng = Rng::new(7);
     let arch = cuda::default_device()?.arch().clone();
     // The FP8 forward (sm_90a): both tile widths, causal and not, GQA, lengths past a tile's end.
@@ -198,8 +200,11 @@ fn sanitize(fp8_only: bool) -> Result<()> {
         let passed = fp8_case(&mut rng, [4, 257, 16, 128], [4, 300, 4, 128], Causal::BottomRight, None)?;
         println!("sanitize fp8 persistent case (192 items): {}", if passed { "pass" } else { "FAIL" });
     }
-    if fp8_only {
+    if only == Some("fp8") {
         return Ok(());
+    }
+    if let Some(pattern) = only {
+        return sanitize_variants(&mut rng, &arch, pattern);
     }
     for (i, (d, causal, varlen)) in [
         (64, Causal::None, false),
@@ -246,10 +251,27 @@ fn sanitize(fp8_only: bool) -> Result<()> {
             );
         }
     }
-    // One launch of every forward variant the device runs (the defaults above are the Hopper
+    // Every variant the device runs, forward and backward (the defaults above are the Hopper
     // kernels on sm_90a: this keeps the mma.sync ones under the sanitizer too).
-    for (i, variant) in Variant::all().into_iter().filter(|v| v.runs_on(&arch)).enumerate() {
+    sanitize_variants(&mut rng, &arch, "")?;
+    // Forward-only head dims past the backward's widest tile.
+    for (i, (d, varlen)) in [(200, false), (256, true)].into_iter().enumerate() {
         let mut c = random_case(&mut rng);
+        (c.d, c.dv, c.varlen, c.window) = (d, d, varlen, None);
+        c.seqlens = if varlen { vec![(37, 150), (130, 61), (0, 5)] } else { vec![(131, 77); 2] };
+        let rep = run_case::<bf16>(&c, None)?;
+        println!("sanitize forward-only case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
+    }
+    Ok(())
+}
+
+/// One launch of every forward variant, and one forward + backward of every backward variant, the
+/// device runs and whose name contains `pattern` (deterministic every other one), each checked
+/// against the oracle.
+fn sanitize_variants(rng: &mut Rng, arch: &Arch, pattern: &str) -> Result<()> {
+    for (i, variant) in Variant::all().into_iter().filter(|v| v.runs_on(arch) && v.name().contains(pattern)).enumerate()
+    {
+        let mut c = random_case(rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
         use_paths(&mut c, variant.extras);
@@ -261,8 +283,10 @@ fn sanitize(fp8_only: bool) -> Result<()> {
     }
     // One forward + backward of every backward variant the device runs (deterministic every
     // other one).
-    for (i, variant) in BwdVariant::all().into_iter().filter(|v| v.runs_on(&arch)).enumerate() {
-        let mut c = random_case(&mut rng);
+    for (i, variant) in
+        BwdVariant::all().into_iter().filter(|v| v.runs_on(arch) && v.name().contains(pattern)).enumerate()
+    {
+        let mut c = random_case(rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
         use_paths(&mut c, variant.extras);
@@ -273,14 +297,6 @@ fn sanitize(fp8_only: bool) -> Result<()> {
         }
         .passed();
         println!("sanitize backward variant {i} {}: {c}: {}", variant.name(), if passed { "pass" } else { "FAIL" });
-    }
-    // Forward-only head dims past the backward's widest tile.
-    for (i, (d, varlen)) in [(200, false), (256, true)].into_iter().enumerate() {
-        let mut c = random_case(&mut rng);
-        (c.d, c.dv, c.varlen, c.window) = (d, d, varlen, None);
-        c.seqlens = if varlen { vec![(37, 150), (130, 61), (0, 5)] } else { vec![(131, 77); 2] };
-        let rep = run_case::<bf16>(&c, None)?;
-        println!("sanitize forward-only case {i}: {c}: {}", if rep.passed() { "pass" } else { "FAIL" });
     }
     Ok(())
 }
