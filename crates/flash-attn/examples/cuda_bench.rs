@@ -274,6 +274,11 @@ fn sanitize_variants(rng: &mut Rng, arch: &Arch, pattern: &str) -> Result<()> {
         let mut c = random_case(rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
+        if variant.ws {
+            // Fixed-length batches only: 3 x 300 queries, more items than one per block.
+            c.varlen = false;
+            c.seqlens = vec![(300, 257); 3];
+        }
         use_paths(&mut c, variant.extras);
         let rep = match variant.dtype {
             DType::F16 => run_case::<f16>(&c, Some(variant))?,
@@ -463,7 +468,7 @@ fn bench_one<T: cuda::CudaElement>(
     let ms = times[times.len() / 2];
     let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
     let name = variant
-        .or_else(|| Variant::extras_on(dev.arch(), T::DTYPE, d, extras.paths()))
+        .or_else(|| Variant::for_problem(dev.arch(), T::DTYPE, d, extras.paths(), false))
         .map(|v| v.name())
         .unwrap_or_default();
     println!(

@@ -236,6 +236,11 @@ fn every_forward_variant_on_the_device_meets_the_contract() {
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
             use_paths(&mut c, variant.extras, n, &mut rng);
+            if variant.ws {
+                // The warp-specialised kernel takes fixed-length batches only.
+                c.varlen = false;
+                c.seqlens = vec![c.seqlens[0]; c.seqlens.len()];
+            }
             match variant.dtype {
                 DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
                 _ => forward_variant_case::<bf16>(&c, Some(variant)),
@@ -794,5 +799,57 @@ fn fp8_forward_on_more_work_items_than_multiprocessors_meets_the_contract() {
         let naive = reference::naive_fp8(&spec, &fq, &fk, &fv).expect("naive fp8");
         let r = flash_attn::check::report_fp8(&ours.out, &ours.lse, &oracle, &naive);
         assert!(r.passed(), "{c}: out {} / lse {}", r.out, r.lse);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn warp_specialised_forward_meets_the_contract_and_refuses_what_it_lacks() {
+    // The 16-bit warp-specialised Hopper kernel: random fixed-length problems (GQA, both causal
+    // rules, windows, strided inputs), more query blocks than multiprocessors in one (240), on
+    // both widths and dtypes; varlen and optional paths are typed errors.
+    let dev = cuda::default_device().expect("a CUDA device");
+    if !dev.arch().has_wgmma() {
+        return;
+    }
+    let mut rng = Rng::new(0x5eed_0005);
+    for dtype in [DType::BF16, DType::F16] {
+        for d in cuda::WS_HEAD_DIMS {
+            let variant = Variant::hopper_ws_for(dtype, d).expect("a ws variant");
+            for n in 0..8 {
+                let mut c = random_cuda_case(&mut rng);
+                (c.dtype, c.d, c.dv) = (dtype, if n % 2 == 0 { d } else { d - 8 * rng.range(1, 3) }, 0);
+                c.dv = c.d;
+                use_paths(&mut c, ExtraPaths::NONE, n, &mut rng);
+                c.varlen = false;
+                let (sq, sk) = if n == 7 { (600, 500) } else { c.seqlens[0] };
+                c.seqlens = vec![(sq, sk); if n == 7 { 3 } else { c.seqlens.len() }];
+                if n == 7 {
+                    (c.hq, c.hk) = (16, 8);
+                }
+                match dtype {
+                    DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
+                    _ => forward_variant_case::<bf16>(&c, Some(variant)),
+                }
+            }
+            // Varlen is refused.
+            let mut c = random_cuda_case(&mut rng);
+            (c.dtype, c.d, c.dv, c.varlen) = (dtype, d, d, true);
+            c.seqlens = vec![(37, 50), (20, 64)];
+            use_paths(&mut c, ExtraPaths::NONE, 0, &mut rng);
+            let r = match dtype {
+                DType::F16 => {
+                    let data = c.data::<f16>();
+                    let [q, k, v] = data.views();
+                    cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ())
+                }
+                _ => {
+                    let data = c.data::<bf16>();
+                    let [q, k, v] = data.views();
+                    cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ())
+                }
+            };
+            assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
+        }
     }
 }

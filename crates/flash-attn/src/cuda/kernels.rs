@@ -30,10 +30,11 @@ pub(crate) fn backward_source() -> String {
     .join("\n")
 }
 
-/// The FP8 forward's program: the forward's helpers and parameter block (its own `flash_fwd`
-/// entry compiled out by `FA_FP8`), the e4m3 warpgroup MMAs, and `flash_fwd_fp8` with the V
-/// transpose it reads (`fp8_transpose_v`).
-pub(crate) fn fp8_forward_source() -> String {
+/// The program of the FP8 and warp-specialised forward kernels: the forward's helpers and
+/// parameter block (its own `flash_fwd` entry compiled out by `FA_FWD_ENTRY=0`), the e4m3
+/// warpgroup MMAs, and `flash_fwd_fp8` or `flash_fwd_ws` with the V transpose the FP8 kernels
+/// read (`fp8_transpose_v`).
+pub(crate) fn ws_forward_source() -> String {
     [
         include_str!("kernels/tile.cuh"),
         include_str!("kernels/mask.cuh"),
@@ -138,6 +139,11 @@ pub struct Variant {
     /// Whether this is the Hopper kernel (`FA_WGMMA`: warpgroup MMAs, sm_90a only; `mt` is 1
     /// and `warps` a multiple of 4) rather than the mma.sync kernel that runs on sm_80 and up.
     pub wgmma: bool,
+    /// Whether this is the warp-specialised Hopper kernel (`flash_fwd_ws` in
+    /// `flash_fwd_fp8.cuh`: a TMA producer warpgroup, K and V rings of mbarrier-guarded stages,
+    /// two consumer warpgroups taking turns at the tensor cores, a persistent grid; `warps`
+    /// counts the consumers). Fixed-length batches without optional paths only.
+    pub ws: bool,
 }
 
 /// Tile widths the forward kernels are compiled for. A head dim (`d == dv`, a multiple of 8)
@@ -150,6 +156,9 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// products on zero columns. The tiles sit in shared memory as 64-column blocks, so a 96 tile
 /// takes the memory of a 128 one; only the products shrink.
 pub const HOPPER_HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
+
+/// Tile widths the warp-specialised 16-bit Hopper forward is compiled for ([`Variant::ws`]).
+pub const WS_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// Tile widths the backward kernels are compiled for. A warp's dK and dV rows live in registers;
 /// at 256 two warps (on Hopper two warpgroups) share the same keys, each holding half the
@@ -189,17 +198,30 @@ impl Variant {
         self.warps * 16 * self.mt
     }
 
-    /// Threads per block.
+    /// Threads per block (the warp-specialised kernel adds its producer warpgroup).
     pub fn threads(&self) -> usize {
-        self.warps * 32
+        self.warps * 32 + if self.ws { 128 } else { 0 }
+    }
+
+    /// Stages of each of the warp-specialised kernel's K and V rings (`STAGES` in `FlashFwdWs`,
+    /// which must agree): 4 where a tile takes at most 16 KiB, else 2.
+    pub fn ws_stages(&self) -> usize {
+        if self.bc * self.d * 2 <= 16384 {
+            4
+        } else {
+            2
+        }
     }
 
     /// Dynamic shared memory, 2 bytes an element: the Q tile plus one K and one V tile; the
     /// Hopper kernel keeps two buffers each of K and V in 64-column blocks (a 96 tile takes two,
     /// as a 128 one does), and 1 KiB of slack to align the tiles to the 1024-byte period of the
-    /// 128-byte swizzle.
+    /// 128-byte swizzle. The warp-specialised kernel: two Q tiles, its rings and its mbarriers.
     pub fn smem_bytes(&self) -> usize {
-        if self.wgmma {
+        if self.ws {
+            let stages = self.ws_stages();
+            (2 * self.block_rows() + 2 * stages * self.bc) * self.d * 2 + 8 * (4 + 4 * stages) + 1024
+        } else if self.wgmma {
             (self.block_rows() + 4 * self.bc) * self.d.next_multiple_of(64) * 2 + 1024
         } else {
             (self.block_rows() + 2 * self.bc) * self.d * 2
@@ -211,7 +233,17 @@ impl Variant {
     pub fn name(&self) -> String {
         let h = if self.wgmma { "_h" } else { "" };
         let x = self.extras.suffix();
-        format!("flash_fwd_{}_d{}_m{}_n{}_w{}{h}{x}", self.dtype.name(), self.d, self.mt, self.bc, self.warps)
+        let ws = if self.ws { "_ws" } else { "" };
+        format!("flash_fwd_{}_d{}_m{}_n{}_w{}{h}{x}{ws}", self.dtype.name(), self.d, self.mt, self.bc, self.warps)
+    }
+
+    /// The kernel's entry point in its program.
+    pub(crate) fn entry(&self) -> &'static str {
+        if self.ws {
+            "flash_fwd_ws"
+        } else {
+            "flash_fwd"
+        }
     }
 
     /// Spill bytes that `kernels --compile-all` tolerates for this variant: zero for the plain
@@ -254,7 +286,31 @@ impl Variant {
             // Without it ptxas gives the d = 64 mma.sync shape 168 registers and spills.
             options.push("-maxrregcount=255".into());
         }
+        if self.ws {
+            options.extend(["-DFA_FWD_ENTRY=0".into(), "-DFA_E4M3=0".into(), "-DFA_WS=1".into()]);
+        }
         options
+    }
+
+    /// The variant a problem runs on by default: on sm_90a the warp-specialised kernel for
+    /// fixed-length batches without optional paths at tile widths 64 and 128 (1.1-1.46x the other
+    /// Hopper kernel, docs/cuda-notes.md), else [`Variant::extras_on`].
+    pub fn for_problem(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths, varlen: bool) -> Option<Variant> {
+        if arch.has_wgmma() && !varlen && !extras.any() {
+            if let Some(ws) = Variant::hopper_ws_for(dtype, d) {
+                return Some(ws);
+            }
+        }
+        Variant::extras_on(arch, dtype, d, extras)
+    }
+
+    /// The warp-specialised Hopper variant for `dtype` and tile width `d` (64 or 128): 128 query
+    /// rows (two consumer warpgroups), 128 keys a tile.
+    pub fn hopper_ws_for(dtype: DType, d: usize) -> Option<Variant> {
+        if dtype == DType::F32 || !WS_HEAD_DIMS.contains(&d) {
+            return None;
+        }
+        Some(Variant { dtype, d, mt: 1, bc: 128, warps: 8, extras: ExtraPaths::NONE, wgmma: true, ws: true })
     }
 
     /// The variant used on `arch` for `dtype` and tile width `d` (one of [`HEAD_DIMS`], or on
@@ -287,7 +343,7 @@ impl Variant {
             return None;
         }
         let bc = if d == 96 || d == 128 { 128 } else { 64 };
-        Some(Variant { dtype, d, mt: 1, bc, warps: 8, extras: ExtraPaths::NONE, wgmma: true })
+        Some(Variant { dtype, d, mt: 1, bc, warps: 8, extras: ExtraPaths::NONE, wgmma: true, ws: false })
     }
 
     /// The Hopper variant with the optional paths `extras` compiled in: as
@@ -317,7 +373,7 @@ impl Variant {
             128 => (1, 128, 8),
             _ => (2, 64, 4),
         };
-        Some(Variant { dtype, d, mt, bc, warps, extras: ExtraPaths::NONE, wgmma: false })
+        Some(Variant { dtype, d, mt, bc, warps, extras: ExtraPaths::NONE, wgmma: false, ws: false })
     }
 
     /// This variant with the optional paths `extras` compiled in.
@@ -352,7 +408,7 @@ impl Variant {
                     _ => &[(1, 64, 8), (2, 64, 4), (1, 128, 8), (2, 32, 4)],
                 };
                 for &(mt, bc, warps) in shapes {
-                    v.push(Variant { dtype, d, mt, bc, warps, extras: ExtraPaths::NONE, wgmma: false });
+                    v.push(Variant { dtype, d, mt, bc, warps, extras: ExtraPaths::NONE, wgmma: false, ws: false });
                 }
                 v.extend(ExtraPaths::gated().into_iter().filter_map(|x| Variant::extras_for(dtype, d, x)));
                 if let Some(h) = Variant::hopper_for(dtype, d) {
@@ -362,6 +418,7 @@ impl Variant {
                     if d <= 128 {
                         v.push(Variant { bc: 192 - h.bc, ..h });
                     }
+                    v.extend(Variant::hopper_ws_for(dtype, d));
                 }
             }
         }
@@ -654,6 +711,15 @@ impl Fp8Variant {
         format!("flash_fwd_fp8e4m3_d{}_n{}_w{}_h{ws}", self.d, self.bc, self.warps)
     }
 
+    /// The kernel's entry point in its program.
+    pub(crate) fn entry(&self) -> &'static str {
+        if self.ws {
+            "flash_fwd_ws"
+        } else {
+            "flash_fwd_fp8"
+        }
+    }
+
     /// Whether the variant runs on `arch`: e4m3 warpgroup MMAs exist on sm_90a only.
     pub fn runs_on(&self, arch: &Arch) -> bool {
         arch.has_wgmma()
@@ -672,7 +738,8 @@ impl Fp8Variant {
             "-DFA_BF16=1".into(),
             "-DFA_EXTRAS=0".into(),
             "-DFA_WGMMA=1".into(),
-            "-DFA_FP8=1".into(),
+            "-DFA_FWD_ENTRY=0".into(),
+            "-DFA_E4M3=1".into(),
             format!("-DFA_WS={}", u8::from(self.ws)),
         ]
     }

@@ -274,13 +274,14 @@ pub(crate) fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) ->
     padded_head_dim(g.d, backward).ok_or(Error::HeadDim { tensor: "q", dim: g.d, backend, min: 8, max: 256 })
 }
 
-/// The forward variant for this problem on `arch`, or why the CUDA forward cannot run it.
+/// The forward variant for this problem on `arch` ([`Variant::for_problem`]), or why the CUDA
+/// forward cannot run it.
 pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<Variant> {
     check_supported(g, dtype, false)?;
     // The Hopper kernels have tile widths between the mma.sync ones (96, 192).
     let width = tile_width(g.d, false, arch.has_wgmma())
         .ok_or_else(|| Error::Unsupported(format!("no forward tile width for d = {}", g.d)))?;
-    let variant = Variant::extras_on(arch, dtype, width, needs_extras(g));
+    let variant = Variant::for_problem(arch, dtype, width, needs_extras(g), g.varlen);
     variant.ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
 }
 
@@ -400,6 +401,9 @@ pub(crate) fn forward<T: CudaElement>(
         return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {heads} heads is too large a grid")));
     };
 
+    if variant.ws {
+        return forward_ws(dev, f, variant, g, (q, k, v), out, o_layout, lse);
+    }
     let cu = upload_cu_seqlens(dev, g)?;
     check_extras(g, variant.extras, &variant.name())?;
     let alibi = upload_alibi(dev, g)?;
@@ -523,14 +527,19 @@ struct TmaDesc([u64; 16]);
 struct Fp8WsParams {
     q: TmaDesc,
     k: TmaDesc,
-    vt: TmaDesc,
+    v: TmaDesc,
     f: Fp8FwdParams,
 }
 
-/// A TMA descriptor for an e4m3 tensor at `ptr` with sizes `dims` (innermost first, in bytes for
-/// the first), byte strides `strides` of the outer dimensions, copied in boxes of `boxes`, 128-byte
+/// A TMA descriptor for an e4m3 tensor at `ptr` with sizes `dims` (innermost first, in elements),
+/// byte strides `strides` of the outer dimensions, copied in boxes of `boxes` elements, 128-byte
 /// swizzled (the layout the warpgroup MMAs read); elements outside the tensor read as zero.
 fn tensor_map(what: &str, ptr: u64, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<TmaDesc> {
+    tensor_map_of(what, ptr, 1, dims, strides, boxes)
+}
+
+/// [`tensor_map`] for elements of `elem` bytes (1 or 2).
+fn tensor_map_of(what: &str, ptr: u64, elem: usize, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<TmaDesc> {
     use cudarc::driver::sys;
     let rank = dims.len();
     if strides.len() + 1 != rank || boxes.len() != rank || strides.iter().any(|&s| s % 16 != 0 || s >= 1 << 40) {
@@ -545,7 +554,11 @@ fn tensor_map(what: &str, ptr: u64, dims: &[u64], strides: &[u64], boxes: &[u32]
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            if elem == 2 {
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16
+            } else {
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8
+            },
             rank as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -695,15 +708,7 @@ pub(crate) fn forward_fp8(
     };
     let params = Fp8FwdParams { base, v_descale: scales.v };
     // The persistent kernel: a block a multiprocessor (fewer for fewer items).
-    let grid = if variant.persistent() {
-        let sms = dev
-            .context()
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| driver_error("multiprocessor count", e))?;
-        blocks.min(usize::try_from(sms).unwrap_or(1).max(1))
-    } else {
-        blocks
-    };
+    let grid = if variant.persistent() { blocks.min(multiprocessors(dev)?) } else { blocks };
     let cfg = LaunchConfig {
         grid_dim: (grid as u32, 1, 1),
         block_dim: (variant.threads() as u32, 1, 1),
@@ -720,7 +725,7 @@ pub(crate) fn forward_fp8(
         ws_params = Fp8WsParams {
             q: tensor_map("q", qp, &[d, u(g.max_sq), u(g.hq), b], &q_strides, &[128, rows, 1, 1])?,
             k: tensor_map("k", kp, &[d, u(g.max_sk), u(g.hk), b], &k_strides, &[128, bc, 1, 1])?,
-            vt: tensor_map(
+            v: tensor_map(
                 "v (transposed)",
                 vtp,
                 &[u(sk_pad), u(variant.d), u(planes)],
@@ -738,6 +743,119 @@ pub(crate) fn forward_fp8(
     // filled above (freed on the stream after the kernel), and the sync guards keep them ordered
     // on this stream until the launch is enqueued.
     unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd_fp8", e))?;
+    Ok(())
+}
+
+/// The multiprocessors of `dev`: the grid of a persistent kernel.
+fn multiprocessors(dev: &Device) -> Result<usize> {
+    let sms = dev
+        .context()
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| driver_error("multiprocessor count", e))?;
+    Ok(usize::try_from(sms).unwrap_or(1).max(1))
+}
+
+/// The warp-specialised 16-bit forward ([`Variant::ws`]): TMA descriptors of q, k and v, the
+/// parameter block, a persistent grid. Fixed-length batches without optional paths.
+#[allow(clippy::too_many_arguments)]
+fn forward_ws<T: CudaElement>(
+    dev: &Device,
+    f: &CudaFunction,
+    variant: &Variant,
+    g: &Geometry<'_>,
+    (q, k, v): (&DeviceTensor<'_, T>, &DeviceTensor<'_, T>, &DeviceTensor<'_, T>),
+    out: &mut DeviceTensorMut<'_, T>,
+    o_layout: RowLayout,
+    lse: &mut cudarc::driver::CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let name = variant.name();
+    if g.varlen {
+        return Err(Error::Unsupported(format!("variant {name} takes fixed-length batches only")));
+    }
+    check_extras(g, variant.extras, &name)?;
+    let stream = dev.stream();
+    let br = variant.block_rows();
+    let num_m_blocks = g.max_sq.div_ceil(br);
+    let items = num_m_blocks.checked_mul(g.seqs.len() * g.hq).filter(|&b| b <= i32::MAX as usize);
+    let Some(items) = items else {
+        return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {} heads is too large a grid", g.hq)));
+    };
+    let elem = std::mem::size_of::<T>();
+    let (qp, _q_sync) = q.data.device_ptr(stream);
+    let (kp, _k_sync) = k.data.device_ptr(stream);
+    let (vp, _v_sync) = v.data.device_ptr(stream);
+    let (op, _o_sync) = out.data.device_ptr_mut(stream);
+    let (lp, _l_sync) = lse.device_ptr_mut(stream);
+    check_alignment("q", qp, &g.q, elem)?;
+    check_alignment("k", kp, &g.k, elem)?;
+    check_alignment("v", vp, &g.v, elem)?;
+    check_alignment("out", op, &o_layout, elem)?;
+    let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
+    let base = FwdParams {
+        q: qp,
+        k: kp,
+        v: vp,
+        o: op,
+        lse: lp,
+        cu_seqlens_q: 0,
+        cu_seqlens_k: 0,
+        q_batch: g.q.batch_stride as i64,
+        q_row: g.q.token_stride as i64,
+        q_head: g.q.head_stride as i64,
+        k_batch: g.k.batch_stride as i64,
+        k_row: g.k.token_stride as i64,
+        k_head: g.k.head_stride as i64,
+        v_batch: g.v.batch_stride as i64,
+        v_row: g.v.token_stride as i64,
+        v_head: g.v.head_stride as i64,
+        o_batch: o_layout.batch_stride as i64,
+        o_row: o_layout.token_stride as i64,
+        o_head: o_layout.head_stride as i64,
+        lse_batch: (g.hq * g.max_sq) as i64,
+        lse_head: g.max_sq as i64,
+        batch: i32_of("batch", g.seqs.len())?,
+        hq: i32_of("hq", g.hq)?,
+        group: i32_of("hq / hk", g.hq / g.hk)?,
+        d: i32_of("d", g.d)?,
+        sq: i32_of("sq", g.max_sq)?,
+        sk: i32_of("sk", g.max_sk)?,
+        num_m_blocks: num_m_blocks as i32,
+        causal: match g.causal {
+            Causal::None => 0,
+            Causal::BottomRight => 1,
+            Causal::TopLeft => 2,
+        },
+        window_left,
+        window_right,
+        scale_log2: g.scale * std::f32::consts::LOG2_E,
+        longest_first: i32::from(g.causal != Causal::None),
+        dropout: DropoutParams::of(g),
+        score_mod: ScoreMod::new(0, None, g.scale),
+        block: BlockMaskParams::default(),
+    };
+    // TMA boxes: 64 columns (128 bytes, one swizzle row) by the tile's rows.
+    let u = |x: usize| x as u64;
+    let (rows, bc) = (br as u32, variant.bc as u32);
+    let (b, d) = (u(g.seqs.len()), u(g.d));
+    let bytes = |l: &RowLayout| [u(l.token_stride * elem), u(l.head_stride * elem), u(l.batch_stride * elem)];
+    let params = Fp8WsParams {
+        q: tensor_map_of("q", qp, elem, &[d, u(g.max_sq), u(g.hq), b], &bytes(&g.q), &[64, rows, 1, 1])?,
+        k: tensor_map_of("k", kp, elem, &[d, u(g.max_sk), u(g.hk), b], &bytes(&g.k), &[64, bc, 1, 1])?,
+        v: tensor_map_of("v", vp, elem, &[d, u(g.max_sk), u(g.hk), b], &bytes(&g.v), &[64, bc, 1, 1])?,
+        f: Fp8FwdParams { base, v_descale: 1.0 },
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (items.min(multiprocessors(dev)?) as u32, 1, 1),
+        block_dim: (variant.threads() as u32, 1, 1),
+        shared_mem_bytes: variant.smem_bytes() as u32,
+    };
+    let mut builder = stream.launch_builder(f);
+    builder.arg(&params);
+    // SAFETY: the parameter block matches `Fp8WsParams`; the tensor maps describe q, k and v
+    // within the extents the geometry checked (the TMA reads nothing outside them), out and lse
+    // are live buffers holding every element the kernel writes, and the sync guards keep them
+    // ordered on this stream until the launch is enqueued.
+    unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd_ws", e))?;
     Ok(())
 }
 

@@ -50,7 +50,7 @@ use crate::{Gradients, Output};
 
 pub use kernels::{
     padded_head_dim, tile_width, BwdVariant, ExtraPaths, Fp8Variant, Variant, BWD_HEAD_DIMS, FP8_HEAD_DIMS, HEAD_DIMS,
-    HOPPER_HEAD_DIMS,
+    HOPPER_HEAD_DIMS, WS_HEAD_DIMS,
 };
 pub use nvrtc::Arch;
 
@@ -213,8 +213,9 @@ impl Device {
         if let Some(f) = map.get(variant) {
             return Ok(f.clone());
         }
-        let module = self.load_module(&variant.name(), &kernels::forward_source(), &variant.options())?;
-        let f = module.load_function("flash_fwd").map_err(|e| driver_error("cuModuleGetFunction", e))?;
+        let source = if variant.ws { kernels::ws_forward_source() } else { kernels::forward_source() };
+        let module = self.load_module(&variant.name(), &source, &variant.options())?;
+        let f = module.load_function(variant.entry()).map_err(|e| driver_error("cuModuleGetFunction", e))?;
         allow_dynamic_smem(&f, variant.smem_bytes())?;
         map.insert(*variant, f.clone());
         Ok(f)
@@ -227,9 +228,9 @@ impl Device {
         if let Some(f) = map.get(variant) {
             return Ok(f.clone());
         }
-        let module = self.load_module(&variant.name(), &kernels::fp8_forward_source(), &variant.options())?;
+        let module = self.load_module(&variant.name(), &kernels::ws_forward_source(), &variant.options())?;
         let load = |name: &str| module.load_function(name).map_err(|e| driver_error("cuModuleGetFunction", e));
-        let f = launch::Fp8Functions { forward: load("flash_fwd_fp8")?, transpose_v: load("fp8_transpose_v")? };
+        let f = launch::Fp8Functions { forward: load(variant.entry())?, transpose_v: load("fp8_transpose_v")? };
         allow_dynamic_smem(&f.forward, variant.smem_bytes())?;
         map.insert(*variant, f.clone());
         Ok(f)
@@ -881,12 +882,15 @@ pub fn compile_matching(archs: &[Arch], pattern: &str) -> Result<Vec<VariantRepo
     nvrtc::available()?;
     let (fwd_source, bwd_source) = (kernels::forward_source(), kernels::backward_source());
     let decode_source = decode::decode_source();
-    let fp8_source = kernels::fp8_forward_source();
+    let ws_source = kernels::ws_forward_source();
     // (name, program, options, spill budget, Hopper-only) of every variant; a backward program
     // holds three kernels and ptxas_usage reports the largest, the main kernel's.
     let programs: Vec<(String, &str, Vec<String>, u32, bool)> = Variant::all()
         .into_iter()
-        .map(|v| (v.name(), fwd_source.as_str(), v.options(), v.spill_budget(), v.wgmma))
+        .map(|v| {
+            let source = if v.ws { ws_source.as_str() } else { fwd_source.as_str() };
+            (v.name(), source, v.options(), v.spill_budget(), v.wgmma)
+        })
         .chain(
             BwdVariant::all()
                 .into_iter()
@@ -895,7 +899,7 @@ pub fn compile_matching(archs: &[Arch], pattern: &str) -> Result<Vec<VariantRepo
         .chain(
             decode::DecodeVariant::all().into_iter().map(|v| (v.name(), decode_source.as_str(), v.options(), 0, false)),
         )
-        .chain(Fp8Variant::all().into_iter().map(|v| (v.name(), fp8_source.as_str(), v.options(), 0, true)))
+        .chain(Fp8Variant::all().into_iter().map(|v| (v.name(), ws_source.as_str(), v.options(), 0, true)))
         .chain([DType::F16, DType::BF16].into_iter().map(|dt| {
             let mut options = ring::ring_options(dt);
             options.extend(["-Xptxas".to_string(), "-v".to_string()]);

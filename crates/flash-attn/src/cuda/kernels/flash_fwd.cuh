@@ -668,10 +668,10 @@ struct FlashFwdSm90 {
 };
 #endif  // FA_WGMMA
 
-#ifndef FA_FP8
-#define FA_FP8 0  // 1: the program is the FP8 forward's (flash_fwd_fp8.cuh): no flash_fwd entry here
+#ifndef FA_FWD_ENTRY
+#define FA_FWD_ENTRY 1  // 0: the program is flash_fwd_fp8.cuh's (the FP8 and warp-specialised kernels)
 #endif
-#if FA_FP8
+#if !FA_FWD_ENTRY
 #elif FA_WGMMA
 // Two blocks per multiprocessor where a block's tiles are small enough (d 64 with 64 keys per
 // tile: 122 registers a thread, 49 KiB of shared memory), else one with up to 255 registers.
