@@ -19,6 +19,7 @@ status=$?
 if [ "${MEMCHECK:-0}" = 1 ]; then
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 \
         "${pytest[@]}" "$repo/python/tests/test_attention.py" "$repo/python/tests/test_kvcache.py" \
+        "$repo/python/tests/test_fp8.py" \
         -k "cuda and (forward or backward or varlen or strided or dropout or packed or kvcache or scratch)" 2>&1 | tail -25
 fi
 exit $status

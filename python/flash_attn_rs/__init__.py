@@ -8,9 +8,12 @@ torch version and GPU generation)::
     import flash_attn_rs as flash_attn
     out = flash_attn.flash_attn_func(q, k, v, causal=True)
 
-The ops are torch custom ops (``torch.ops.flash_attn_rs.fwd`` / ``bwd`` / ``kvcache``) with
-fake implementations and an autograd formula: ``loss.backward()`` and
-``torch.compile(fullgraph=True)`` go through them.
+``flash_attn_func`` and ``flash_attn_varlen_func`` also run FlashAttention-3's FP8 forward:
+``float8_e4m3fn`` inputs with per-tensor ``descale_q/k/v``, ``bfloat16`` output, no backward.
+
+The ops are torch custom ops (``torch.ops.flash_attn_rs.fwd`` / ``fwd_fp8`` / ``bwd`` /
+``kvcache``) with fake implementations and an autograd formula: ``loss.backward()`` and
+``torch.compile(fullgraph=True)`` go through them (``fwd_fp8``'s backward raises).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ table:
   materialises the score matrix.
 - The dropout ``(seed, offset)`` comes from torch's default CPU generator, so
   ``torch.manual_seed`` makes runs reproducible on both devices.
+- ``flash_attn_func`` and ``flash_attn_varlen_func`` also take FlashAttention-3's FP8 forward:
+  ``float8_e4m3fn`` inputs with per-tensor ``descale_q/k/v`` (FlashAttention-3's
+  ``(batch, num_heads_k)`` tensors are accepted when all their elements are equal), ``bfloat16``
+  output, no backward (see :func:`flash_attn_func`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._ops import dropout_keep_mask, fwd_op, kvcache_op
+from ._ops import FP8, dropout_keep_mask, fwd_fp8_op, fwd_op, kvcache_op
+
+_DESCALE_NAMES = ("descale_q", "descale_k", "descale_v")
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
@@ -41,20 +47,58 @@ def _check_tensor(name: str, t) -> None:
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
 
 
+def _descales(given, aliases) -> Tuple[Optional[Tensor], ...]:
+    """``descale_q/k/v`` as the FP8 op takes them: ``None`` or a tensor (a Python number becomes
+    a 0-d float32 tensor). ``aliases`` are FlashAttention-3's later spelling, ``q_descale``..."""
+    out = []
+    for name, x, alias in zip(_DESCALE_NAMES, given, aliases):
+        if x is not None and alias is not None:
+            raise TypeError(f"give `{name}` or its alias `{name[-1]}_descale`, not both")
+        x = alias if x is None else x
+        if x is not None and not isinstance(x, Tensor):
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise TypeError(f"`{name}` must be a float or a tensor, got {type(x).__name__}")
+            x = torch.tensor(float(x), dtype=torch.float32)
+        out.append(x)
+    return tuple(out)
+
+
+def _dequantized(t: Tensor, descale: Optional[Tensor]) -> Tensor:
+    """The real values of an FP8 tensor, float32 (for the probabilities of ``return_attn_probs``)."""
+    x = t.float()
+    return x if descale is None else x * descale.detach().reshape(-1)[0].to(x.device, torch.float32)
+
+
 def _attention(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, max_seqlen_q=None, max_seqlen_k=None):
+               deterministic, return_attn_probs, max_seqlen_q=None, max_seqlen_k=None, descale=(None, None, None)):
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = _scale(q, softmax_scale)
     left, right = _window(window_size)
-    out, lse, rng_state = fwd_op(
-        q, k, v, alibi_slopes, cu_q, cu_k, scale, bool(causal), left, right, float(softcap or 0.0),
-        float(dropout_p), bool(deterministic), None,
-    )
+    fp8 = any(t.dtype == FP8 for t in (q, k, v))
+    if fp8:
+        if not all(t.dtype == FP8 for t in (q, k, v)):
+            raise ValueError(
+                f"the FP8 forward takes q, k and v all in float8_e4m3fn, got {q.dtype}, {k.dtype} and {v.dtype}: "
+                f"all inputs must share one dtype"
+            )
+        out, lse, rng_state = fwd_fp8_op(
+            q, k, v, *descale, alibi_slopes, cu_q, cu_k, scale, bool(causal), left, right, float(softcap or 0.0),
+            float(dropout_p), None,
+        )
+    else:
+        if any(d is not None for d in descale):
+            raise ValueError(f"descale_q/k/v apply to float8_e4m3fn inputs only, got {q.dtype} inputs")
+        out, lse, rng_state = fwd_op(
+            q, k, v, alibi_slopes, cu_q, cu_k, scale, bool(causal), left, right, float(softcap or 0.0),
+            float(dropout_p), bool(deterministic), None,
+        )
     if not return_attn_probs:
         return out
+    if fp8:
+        q, k = _dequantized(q, descale[0]), _dequantized(k, descale[1])
     probs = attn_probs(
         q, k, lse, rng_state, scale=scale, causal=causal, window_size=(left, right), softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -64,7 +108,8 @@ def _attention(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, window_siz
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, descale_q=None, descale_k=None,
+                    descale_v=None, *, q_descale=None, k_descale=None, v_descale=None):
     """Attention over ``q [b, sq, hq, d]``, ``k [b, sk, hk, d]``, ``v [b, sk, hk, dv]``
     (``hq`` a multiple of ``hk``: GQA/MQA); returns ``out [b, sq, hq, dv]``.
 
@@ -73,9 +118,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``softcap · tanh(s / softcap)``; ``alibi_slopes`` (float32 ``[hq]`` or ``[b, hq]``) adds
     ``-slope · |i + sk - sq - j|``. With ``return_attn_probs``, returns ``(out, softmax_lse
     [b, hq, sq], S_dmask)``.
+
+    FP8 (FlashAttention-3's forward): ``q``, ``k``, ``v`` all ``torch.float8_e4m3fn``, with
+    ``descale_q/k/v`` (also spelled ``q_descale``... as in later FlashAttention-3) the factor
+    each tensor's e4m3 values are multiplied by: a float, a one-element tensor, or a ``(b, hk)``
+    tensor whose elements are all equal (per-tensor factors only; ``None``: 1). ``out`` is
+    ``bfloat16``; ``softmax_scale`` applies to the dequantized scores. Forward only: the output
+    requires grad when an input does, and its backward raises ``NotImplementedError``. CUDA
+    tensors need an sm_90a GPU (H100/H200), fixed-length batches, no dropout, softcap or ALiBi,
+    ``d == dv`` a multiple of 16 up to 256 (else ``NotImplementedError``); the CPU takes every
+    option. Descale tensors are read on the host (a synchronisation for CUDA tensors).
     """
+    descale = _descales((descale_q, descale_k, descale_v), (q_descale, k_descale, v_descale))
     return _attention(q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs)
+                      deterministic, return_attn_probs, descale=descale)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -100,13 +156,18 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, descale_q=None,
+                           descale_k=None, descale_v=None, *, q_descale=None, k_descale=None, v_descale=None):
     """Attention over a packed batch: ``q [total_q, hq, d]``, ``k/v [total_k, hk, d|dv]``;
     sequence ``i`` is rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of ``q`` (int32 ``[b + 1]``).
     Returns ``out [total_q, hq, dv]`` (with ``return_attn_probs``: ``softmax_lse [hq,
     total_q]``). ``max_seqlen_*`` are accepted for compatibility (the lengths come from
     ``cu_seqlens``); ``block_table`` (a paged cache) is not supported here: use
     :func:`flash_attn_with_kvcache`.
+
+    FP8 inputs and ``descale_q/k/v`` as in :func:`flash_attn_func` (a ``(b, hk)`` descale has
+    ``b = len(cu_seqlens_q) - 1``); the CPU runs them, the CUDA FP8 kernel takes fixed-length
+    batches only (``NotImplementedError``).
     """
     if block_table is not None:
         raise NotImplementedError(
@@ -114,8 +175,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         )
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(name, t)
+    descale = _descales((descale_q, descale_k, descale_v), (q_descale, k_descale, v_descale))
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, max_seqlen_q, max_seqlen_k)
+                      alibi_slopes, deterministic, return_attn_probs, max_seqlen_q, max_seqlen_k, descale)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

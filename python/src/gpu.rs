@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use flash_attn::cuda::decode::DeviceKvCache;
 use flash_attn::cuda::{CudaElement, Device, DeviceTensor, DeviceTensorMut};
-use flash_attn::Error;
+use flash_attn::{Error, Fp8Scales};
 use half::{bf16, f16};
 use pyo3::exceptions::PyNotImplementedError;
 use pyo3::PyResult;
@@ -129,6 +129,34 @@ fn fwd_typed<T: CudaElement>(device: i64, stream: usize, views: [View; 5], opts:
             &bq.tensor(&q, "q")?,
             &bk.tensor(&k, "k")?,
             &bv.tensor(&v, "v")?,
+            &mut bo.tensor_mut(&out, "out")?,
+            &mut lse_view,
+        )
+        .map_err(to_py)
+    }
+}
+
+/// The FP8 forward on CUDA tensors `[q, k, v, out, lse]`: `q`, `k`, `v` are e4m3 bytes
+/// (`float8_e4m3fn`), `out` is `bfloat16`, `lse` `float32`.
+pub(crate) fn fwd_fp8(device: i64, stream: usize, views: [View; 5], scales: Fp8Scales, opts: &Opts) -> PyResult<()> {
+    let dev = on_stream(device, stream)?;
+    let s = dev.stream().clone();
+    let [q, k, v, out, lse] = views;
+    // SAFETY: as in `fwd_typed`: live CUDA tensors of this device (q, k, v: one byte an element;
+    // out: bfloat16; lse: float32), held until the call returns and ordered on `stream`.
+    unsafe {
+        let spec = opts.spec()?;
+        let (bq, bk, bv) =
+            (Borrowed::<u8>::new(&s, &q, "q")?, Borrowed::<u8>::new(&s, &k, "k")?, Borrowed::<u8>::new(&s, &v, "v")?);
+        let mut bo = Borrowed::<bf16>::new(&s, &out, "out")?;
+        let mut bl = Borrowed::<f32>::new(&s, &lse, "lse")?;
+        let mut lse_view = bl.slice_mut().as_view_mut();
+        dev.forward_fp8(
+            &spec,
+            &bq.tensor(&q, "q")?,
+            &bk.tensor(&k, "k")?,
+            &bv.tensor(&v, "v")?,
+            scales,
             &mut bo.tensor_mut(&out, "out")?,
             &mut lse_view,
         )

@@ -1,5 +1,5 @@
-//! The native half of `flash_attn_rs`: this library's forward, backward and KV-cache calls on
-//! buffers that PyTorch owns.
+//! The native half of `flash_attn_rs`: this library's forward (FP8 included), backward and
+//! KV-cache calls on buffers that PyTorch owns.
 //!
 //! Python hands over each tensor as `(data_ptr, shape, strides)` (strides in elements) with its
 //! dtype, device and stream; nothing is copied. The Python layer (`flash_attn_rs/_ops.py`)
@@ -12,7 +12,7 @@
 //! The CPU work runs with the GIL released, on the library's rayon pool.
 
 use flash_attn::kvcache::KvCache;
-use flash_attn::{AttentionSpec, Error, Tensor, TensorMut};
+use flash_attn::{AttentionSpec, Error, Fp8E4m3, Fp8Scales, Tensor, TensorMut};
 use half::{bf16, f16};
 use pyo3::exceptions::{PyMemoryError, PyNotImplementedError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -299,6 +299,54 @@ fn fwd(
     })
 }
 
+/// FP8 forward: `q`, `k`, `v` are `float8_e4m3fn` (the bit layout of [`Fp8E4m3`]) with the
+/// per-tensor descale factors `descale = (q, k, v)`; writes `out` (`bfloat16`) and `lse`
+/// (`float32`), both contiguous (docs/semantics.md, "FP8 inputs").
+///
+/// The CPU runs `flash_attn::forward_fp8` (every option) and copies its result into the torch
+/// buffers; CUDA tensors go to `Device::forward_fp8` (sm_90a, fixed-length batches, no dropout,
+/// softcap or ALiBi; anything else is the library's `NotImplementedError`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn fwd_fp8(
+    py: Python<'_>,
+    device: i64,
+    stream: usize,
+    q: View,
+    k: View,
+    v: View,
+    out: View,
+    lse: View,
+    descale: (f32, f32, f32),
+    opts: Opts,
+) -> PyResult<()> {
+    check_disjoint(&[("out", &out, 2), ("lse", &lse, 4)], &[("q", &q, 1), ("k", &k, 1), ("v", &v, 1)])?;
+    let scales = Fp8Scales { q: descale.0, k: descale.1, v: descale.2 };
+    if device >= 0 {
+        return cuda_fwd_fp8(py, device, stream, [q, k, v, out, lse], scales, opts);
+    }
+    py.detach(move || {
+        // SAFETY: the Python layer passes live float8_e4m3fn tensors (one byte an element, the
+        // layout of `Fp8E4m3`) whose views it describes, and fresh contiguous outputs, checked
+        // above not to alias the inputs.
+        unsafe {
+            let spec = opts.spec()?;
+            let (qt, kt, vt) = (host::<Fp8E4m3>(&q, "q")?, host(&k, "k")?, host(&v, "v")?);
+            let res = flash_attn::forward_fp8(&spec, &qt, &kt, &vt, scales).map_err(to_py)?;
+            let (o, l) = (host_slice_mut::<bf16>(&out, "out")?, host_slice_mut::<f32>(&lse, "lse")?);
+            if out.1 != res.out_shape || o.len() != res.out.len() || l.len() != res.lse.len() {
+                return Err(PyValueError::new_err(format!(
+                    "`out` {:?} / `lse` {:?} do not fit the result ({:?}, {:?})",
+                    out.1, lse.1, res.out_shape, res.lse_shape
+                )));
+            }
+            o.copy_from_slice(&res.out);
+            l.copy_from_slice(&res.lse);
+            Ok(())
+        }
+    })
+}
+
 /// Attention backward: writes `dq`, `dk`, `dv` from the inputs, the forward's `out` and `lse`,
 /// and `dout`. CUDA tensors: the scratch memory is `workspace` (`uint8`, at least
 /// [`bwd_workspace_bytes`]) when given, else the driver's memory pool; the CPU takes none.
@@ -539,6 +587,23 @@ fn cuda_fwd(
 }
 
 #[cfg(feature = "cuda")]
+fn cuda_fwd_fp8(
+    py: Python<'_>,
+    device: i64,
+    stream: usize,
+    views: [View; 5],
+    scales: Fp8Scales,
+    opts: Opts,
+) -> PyResult<()> {
+    py.detach(move || gpu::fwd_fp8(device, stream, views, scales, &opts))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_fwd_fp8(_: Python<'_>, _: i64, _: usize, _: [View; 5], _: Fp8Scales, _: Opts) -> PyResult<()> {
+    Err(PyRuntimeError::new_err("flash_attn_rs was built without the `cuda` feature"))
+}
+
+#[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 fn cuda_bwd(
     py: Python<'_>,
@@ -597,6 +662,7 @@ fn bwd_workspace_bytes(dtype: &str, device: i64, q: View, k: View, v: View, opts
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(fwd_fp8, m)?)?;
     m.add_function(wrap_pyfunction!(bwd, m)?)?;
     m.add_function(wrap_pyfunction!(bwd_workspace_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kvcache_fwd, m)?)?;
