@@ -468,7 +468,7 @@ fn bench_one<T: cuda::CudaElement>(
     let ms = times[times.len() / 2];
     let flops = 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
     let name = variant
-        .or_else(|| Variant::for_problem(dev.arch(), T::DTYPE, d, extras.paths(), false))
+        .or_else(|| Variant::for_problem(dev.arch(), T::DTYPE, d, extras.paths(), true))
         .map(|v| v.name())
         .unwrap_or_default();
     println!(

@@ -704,6 +704,57 @@ fn fp8_forward_options_it_lacks_are_typed_errors() {
     let bad = flash_attn::Fp8Scales { k: f32::NAN, ..scales };
     let r = cuda::forward_fp8_host(&AttentionSpec::new(), &t, &t, &t, bad);
     assert!(matches!(r, Err(Error::Fp8Scale { .. })), "{r:?}");
+    // A softmax scale the kernels' raw-score max cannot take (zero, negative), and a product of
+    // scale and descale factors that underflows f32.
+    for scale in [0.0, -0.5] {
+        let r = cuda::forward_fp8_host(&AttentionSpec::new().scale(scale), &t, &t, &t, scales);
+        assert!(matches!(r, Err(Error::Unsupported(_))), "scale {scale}: {r:?}");
+    }
+    let tiny = flash_attn::Fp8Scales { q: 1e-30, k: 1e-30, v: 1.0 };
+    let r = cuda::forward_fp8_host(&AttentionSpec::new(), &t, &t, &t, tiny);
+    assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn edge_cases_around_the_warp_specialised_kernels() {
+    let dev = cuda::default_device().expect("a CUDA device");
+    let mut rng = Rng::new(0xed6e);
+    // A zero or negative softmax scale (causal, so tiles are partly hidden) and no keys at all:
+    // the default variant is then not the warp-specialised one, and the result meets the contract.
+    for (scale, sk) in [(Some(0.0), 150), (Some(-0.5), 150), (None, 0)] {
+        let mut c = random_cuda_case(&mut rng);
+        (c.dtype, c.d, c.dv, c.varlen, c.causal, c.window, c.scale) =
+            (DType::BF16, 64, 64, false, Causal::BottomRight, None, scale);
+        use_paths(&mut c, ExtraPaths::NONE, 2, &mut rng);
+        c.seqlens = vec![(130, sk); 2];
+        forward_variant_case::<bf16>(&c, None);
+        // The warp-specialised variant asked for by name refuses it.
+        if dev.arch().has_wgmma() {
+            let data = c.data::<bf16>();
+            let [q, k, v] = data.views();
+            let ws = Variant::hopper_ws_for(DType::BF16, 64);
+            let r = cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, ws);
+            assert!(matches!(r, Err(Error::Unsupported(_))), "scale {scale:?} sk {sk}: {r:?}");
+            // And one of the wrong shape (the kernel's thread count and rows are fixed).
+            let bad = ws.map(|v| Variant { warps: 4, ..v });
+            let r = cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, bad);
+            assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
+        }
+    }
+    if !dev.arch().has_wgmma() {
+        return;
+    }
+    // FP8 with no keys: every row sees none (out 0, lse -inf), on both FP8 kernels.
+    let q = vec![flash_attn::Fp8E4m3::from_f32(1.5); 2 * 130 * 4 * 128];
+    let (tq, tk) = (Tensor::new(&q, &[2, 130, 4, 128]), Tensor::new(&q[..0], &[2, 0, 2, 128]));
+    for ws in [true, false] {
+        let variant = cuda::Fp8Variant::for_head_dim(128).map(|v| cuda::Fp8Variant { ws, ..v });
+        let r = cuda::forward_fp8_host_variant(&AttentionSpec::new(), &tq, &tk, &tk, Default::default(), variant)
+            .expect("fp8 with no keys");
+        assert!(r.out.iter().all(|x| x.to_f32() == 0.0), "ws {ws}: out not 0");
+        assert!(r.lse.iter().all(|&x| x == f32::NEG_INFINITY), "ws {ws}: lse not -inf");
+    }
 }
 
 #[test]

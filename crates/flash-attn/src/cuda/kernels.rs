@@ -293,10 +293,11 @@ impl Variant {
     }
 
     /// The variant a problem runs on by default: on sm_90a the warp-specialised kernel for
-    /// fixed-length batches without optional paths at tile widths 64 and 128 (1.1-1.46x the other
-    /// Hopper kernel, docs/cuda-notes.md), else [`Variant::extras_on`].
-    pub fn for_problem(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths, varlen: bool) -> Option<Variant> {
-        if arch.has_wgmma() && !varlen && !extras.any() {
+    /// problems without optional paths at tile widths 64 and 128 (1.1-1.46x the other Hopper
+    /// kernel, docs/cuda-notes.md) where `ws_ok` (the problem is one it takes: a fixed-length
+    /// batch with keys and a positive softmax scale), else [`Variant::extras_on`].
+    pub fn for_problem(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths, ws_ok: bool) -> Option<Variant> {
+        if arch.has_wgmma() && ws_ok && !extras.any() {
             if let Some(ws) = Variant::hopper_ws_for(dtype, d) {
                 return Some(ws);
             }
@@ -677,8 +678,8 @@ impl Fp8Variant {
         self.warps * 32 + if self.ws { 128 } else { 0 }
     }
 
-    /// Stages of the warp-specialised kernel's ring of (K, Vᵀ) tiles (`STAGES` in
-    /// `flash_fwd_fp8.cuh`, which must agree); the other kernel double-buffers.
+    /// Stages of each of the warp-specialised kernel's two rings, K and Vᵀ (`STAGES` in
+    /// `FlashFwdWs`, which must agree); the other kernel double-buffers.
     pub fn stages(&self) -> usize {
         if !self.ws {
             2
@@ -694,7 +695,7 @@ impl Fp8Variant {
     /// tiles (one byte an element), the warp-specialised kernel's mbarriers, and 1 KiB of slack
     /// to align the tiles to the 128-byte swizzle's 1024-byte period.
     pub fn smem_bytes(&self) -> usize {
-        let (q_tiles, bars) = if self.ws { (2, 8 * (4 + 2 * self.stages())) } else { (1, 0) };
+        let (q_tiles, bars) = if self.ws { (2, 8 * (4 + 4 * self.stages())) } else { (1, 0) };
         (q_tiles * self.block_rows() + 2 * self.stages() * self.bc) * self.d + bars + 1024
     }
 

@@ -281,23 +281,44 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     // The Hopper kernels have tile widths between the mma.sync ones (96, 192).
     let width = tile_width(g.d, false, arch.has_wgmma())
         .ok_or_else(|| Error::Unsupported(format!("no forward tile width for d = {}", g.d)))?;
-    let variant = Variant::for_problem(arch, dtype, width, needs_extras(g), g.varlen);
+    // The warp-specialised kernel takes fixed-length batches with keys and a positive scale (it
+    // takes the row max of the raw scores and scales it after).
+    let ws_ok = !g.varlen && g.max_sk > 0 && g.scale > 0.0;
+    let variant = Variant::for_problem(arch, dtype, width, needs_extras(g), ws_ok);
     variant.ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))
 }
 
 /// Whether the FP8 forward kernel can run this problem (any GPU): what it leaves out is a typed
 /// error, said before a device is opened.
-pub(crate) fn check_fp8_supported(g: &Geometry<'_>) -> Result<Fp8Variant> {
+pub(crate) fn check_fp8_supported(g: &Geometry<'_>, scales: crate::Fp8Scales) -> Result<Fp8Variant> {
     let unsupported = |what: &str| Err(Error::Unsupported(format!("the CUDA FP8 forward does not support {what} yet")));
     if g.varlen {
         return unsupported("varlen batches");
     }
     let extras = needs_extras(g);
     if extras.any() {
-        return unsupported("dropout, softcap, ALiBi or block masks");
+        let used: Vec<&str> = [
+            (extras.dropout, "dropout"),
+            (extras.softcap, "softcap"),
+            (extras.alibi, "ALiBi"),
+            (extras.blocks, "block masks"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        return unsupported(&used.join(", "));
     }
     if g.d != g.dv {
         return unsupported(&format!("d = {} with dv = {}", g.d, g.dv));
+    }
+    // The kernels take the row max of the raw scores and scale it after (one multiply an element
+    // less), which needs the combined factor positive and a normal f32.
+    let factor = fp8_scale_log2(g, scales);
+    if !(factor.is_finite() && factor >= f32::MIN_POSITIVE) {
+        return unsupported(&format!(
+            "a softmax scale times descale_q times descale_k of {} (it must be positive and a normal f32)",
+            f64::from(g.scale) * f64::from(scales.q) * f64::from(scales.k)
+        ));
     }
     Fp8Variant::for_head_dim(g.d).ok_or(Error::HeadDim {
         tensor: "q",
@@ -308,9 +329,27 @@ pub(crate) fn check_fp8_supported(g: &Geometry<'_>) -> Result<Fp8Variant> {
     })
 }
 
+/// The FP8 kernels' exp2 scale of a raw e4m3 score: softmax scale · descale_q · descale_k · log2 e,
+/// computed in f64 and rounded once.
+fn fp8_scale_log2(g: &Geometry<'_>, scales: crate::Fp8Scales) -> f32 {
+    (f64::from(g.scale) * f64::from(scales.q) * f64::from(scales.k) * std::f64::consts::LOG2_E) as f32
+}
+
+/// A caller's kernel variant of the warp-specialised kind must have the shape its kernel is
+/// written for (two consumer warpgroups of 64 rows, 128 keys a tile): the kernel's thread count
+/// and rows are fixed, and another shape would leave it waiting for a producer that does not exist.
+pub(crate) fn check_ws_shape(name: &str, ws: bool, warps: usize, mt: usize, bc: usize) -> Result<()> {
+    if ws && (warps != 8 || mt != 1 || bc != 128) {
+        return Err(Error::Unsupported(format!(
+            "variant {name}: the warp-specialised kernel runs 8 consumer warps, 16 rows each, 128 keys a tile"
+        )));
+    }
+    Ok(())
+}
+
 /// The FP8 forward variant for this problem on `arch`, or why it cannot run there.
-pub(crate) fn fp8_supported(g: &Geometry<'_>, arch: &Arch) -> Result<Fp8Variant> {
-    let variant = check_fp8_supported(g)?;
+pub(crate) fn fp8_supported(g: &Geometry<'_>, arch: &Arch, scales: crate::Fp8Scales) -> Result<Fp8Variant> {
+    let variant = check_fp8_supported(g, scales)?;
     if !variant.runs_on(arch) {
         return Err(Error::Unsupported(format!(
             "the CUDA FP8 forward needs sm_90a (Hopper's 8-bit warpgroup MMAs); this GPU is {}",
@@ -542,6 +581,11 @@ fn tensor_map(what: &str, ptr: u64, dims: &[u64], strides: &[u64], boxes: &[u32]
 fn tensor_map_of(what: &str, ptr: u64, elem: usize, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<TmaDesc> {
     use cudarc::driver::sys;
     let rank = dims.len();
+    if elem != 1 && elem != 2 {
+        return Err(Error::Unsupported(format!(
+            "`{what}`: TMA descriptors here take 1- or 2-byte elements, not {elem}"
+        )));
+    }
     if strides.len() + 1 != rank || boxes.len() != rank || strides.iter().any(|&s| s % 16 != 0 || s >= 1 << 40) {
         return Err(Error::Unsupported(format!(
             "`{what}`: strides {strides:?} cannot be described to the TMA (multiples of 16 bytes below 2^40)"
@@ -606,7 +650,8 @@ pub(crate) fn forward_fp8(
     let br = variant.block_rows();
     let num_m_blocks = g.max_sq.div_ceil(br);
     let heads = g.seqs.len() * g.hq;
-    let blocks = num_m_blocks.checked_mul(heads).filter(|&b| b <= i32::MAX as usize);
+    // The persistent loop steps an i32 item index by the grid: keep it below i32::MAX.
+    let blocks = num_m_blocks.checked_mul(heads).filter(|&b| b <= (i32::MAX / 2) as usize);
     let Some(blocks) = blocks else {
         return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {heads} heads is too large a grid")));
     };
@@ -623,15 +668,23 @@ pub(crate) fn forward_fp8(
     // The Vᵀ planes: [batch · hk][tile width][sk_pad]; the transpose writes every byte (zeros for
     // the rows past d and the keys past sk: P·V reads them with P = 0, and 0 · NaN would not be 0).
     let sk_pad = g.max_sk.div_ceil(variant.bc) * variant.bc;
+    // With no keys (sk = 0) nothing is transposed and no V tile is read; the planes then keep one
+    // zeroed tile of keys so that their descriptor is that of an ordinary problem.
+    let keys = sk_pad.max(variant.bc);
     let planes = g.seqs.len() * g.hk;
-    let plane = variant.d.checked_mul(sk_pad);
+    let plane = variant.d.checked_mul(keys);
     let Some(vt_len) = plane.and_then(|p| p.checked_mul(planes)).filter(|&n| n <= i64::MAX as usize) else {
         return Err(Error::Unsupported(format!("{planes} transposed V planes of {sk_pad} keys is too large")));
     };
-    let plane = variant.d * sk_pad;
-    // SAFETY: the buffer is only read by the forward launched after the transpose on this stream,
-    // and the transpose's grid writes all of it (every plane, row and key position).
-    let mut vt = unsafe { stream.alloc::<u8>(vt_len.max(1)) }.map_err(|e| driver_error("alloc transposed v", e))?;
+    let plane = variant.d * keys;
+    let mut vt = if sk_pad == 0 {
+        stream.alloc_zeros::<u8>(vt_len.max(1))
+    } else {
+        // SAFETY: the buffer is only read by the forward launched after the transpose on this
+        // stream, and the transpose's grid writes all of it (every plane, row and key position).
+        unsafe { stream.alloc::<u8>(vt_len.max(1)) }
+    }
+    .map_err(|e| driver_error("alloc transposed v", e))?;
     let (vtp, _vt_sync) = vt.device_ptr_mut(stream);
     let tp = Fp8TransposeParams {
         v: vp,
@@ -643,27 +696,29 @@ pub(crate) fn forward_fp8(
         hk: i32_of("hk", g.hk)?,
         sk: i32_of("sk", g.max_sk)?,
         d: i32_of("d", g.d)?,
-        sk_pad: i32_of("sk (padded)", sk_pad)?,
+        sk_pad: i32_of("sk (padded)", keys)?,
     };
     let grid_z = u32::try_from(planes).ok().filter(|&z| z <= 65_535);
     let Some(grid_z) = grid_z else {
         return Err(Error::Unsupported(format!("{planes} (batch x kv head) planes exceed the transpose's grid")));
     };
-    let cfg = LaunchConfig {
-        grid_dim: ((sk_pad / 32) as u32, (variant.d / 128) as u32, grid_z),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut builder = stream.launch_builder(&f.transpose_v);
-    builder.arg(&tp);
-    // SAFETY: the parameters match `Fp8TransposeParams`; `v` holds every element the geometry
-    // checked (rows < sk, columns < d, 16-byte aligned strides), and `vt` was allocated above with
-    // `planes` planes of `d_tile` rows of `sk_pad` bytes, the extent the grid covers.
-    unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch fp8_transpose_v", e))?;
+    // No keys (sk = 0): nothing to transpose; every row sees no key (out 0, lse -inf) and the
+    // kernel reads no K or V tile.
+    if sk_pad > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: ((sk_pad / 32) as u32, (variant.d / 128) as u32, grid_z),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = stream.launch_builder(&f.transpose_v);
+        builder.arg(&tp);
+        // SAFETY: the parameters match `Fp8TransposeParams`; `v` holds every element the geometry
+        // checked (rows < sk, columns < d, 16-byte aligned strides), and `vt` was allocated above
+        // with `planes` planes of `d_tile` rows of `sk_pad` bytes, the extent the grid covers.
+        unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch fp8_transpose_v", e))?;
+    }
 
     let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
-    let log2e = std::f64::consts::LOG2_E;
-    let scale_log2 = f64::from(g.scale) * f64::from(scales.q) * f64::from(scales.k) * log2e;
     let base = FwdParams {
         q: qp,
         k: kp,
@@ -679,7 +734,7 @@ pub(crate) fn forward_fp8(
         k_row: g.k.token_stride as i64,
         k_head: g.k.head_stride as i64,
         v_batch: (g.hk * plane) as i64,
-        v_row: sk_pad as i64,
+        v_row: keys as i64,
         v_head: plane as i64,
         o_batch: o_layout.batch_stride as i64,
         o_row: o_layout.token_stride as i64,
@@ -700,7 +755,7 @@ pub(crate) fn forward_fp8(
         },
         window_left,
         window_right,
-        scale_log2: scale_log2 as f32,
+        scale_log2: fp8_scale_log2(g, scales),
         longest_first: i32::from(g.causal != Causal::None),
         dropout: DropoutParams::of(g),
         score_mod: ScoreMod::new(0, None, g.scale),
@@ -718,18 +773,20 @@ pub(crate) fn forward_fp8(
     let ws_params;
     if variant.ws {
         let u = |x: usize| x as u64;
-        let (rows, bc) = (u32::try_from(br).unwrap_or(u32::MAX), variant.bc as u32);
+        let (rows, bc) = (i32_of("rows", br)? as u32, i32_of("keys a tile", variant.bc)? as u32);
         let (b, d) = (u(g.seqs.len()), u(g.d));
         let q_strides = [u(g.q.token_stride), u(g.q.head_stride), u(g.q.batch_stride)];
         let k_strides = [u(g.k.token_stride), u(g.k.head_stride), u(g.k.batch_stride)];
+        // With no keys no K or V tile is read; K's descriptor still needs a size of at least 1.
+        let sk = u(g.max_sk.max(1));
         ws_params = Fp8WsParams {
             q: tensor_map("q", qp, &[d, u(g.max_sq), u(g.hq), b], &q_strides, &[128, rows, 1, 1])?,
-            k: tensor_map("k", kp, &[d, u(g.max_sk), u(g.hk), b], &k_strides, &[128, bc, 1, 1])?,
+            k: tensor_map("k", kp, &[d, sk, u(g.hk), b], &k_strides, &[128, bc, 1, 1])?,
             v: tensor_map(
                 "v (transposed)",
                 vtp,
-                &[u(sk_pad), u(variant.d), u(planes)],
-                &[u(sk_pad), u(plane)],
+                &[u(keys), u(variant.d), u(planes)],
+                &[u(keys), u(plane)],
                 &[bc, variant.d as u32, 1],
             )?,
             f: params,
@@ -742,7 +799,7 @@ pub(crate) fn forward_fp8(
     // geometry checked to hold every element the kernel touches, the Vᵀ planes were allocated and
     // filled above (freed on the stream after the kernel), and the sync guards keep them ordered
     // on this stream until the launch is enqueued.
-    unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd_fp8", e))?;
+    unsafe { builder.launch(cfg) }.map_err(|e| driver_error(&format!("launch {}", variant.entry()), e))?;
     Ok(())
 }
 
@@ -769,14 +826,17 @@ fn forward_ws<T: CudaElement>(
     lse: &mut cudarc::driver::CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let name = variant.name();
-    if g.varlen {
-        return Err(Error::Unsupported(format!("variant {name} takes fixed-length batches only")));
+    if g.varlen || g.max_sk == 0 || g.scale <= 0.0 || g.scale.is_nan() {
+        return Err(Error::Unsupported(format!(
+            "variant {name} takes fixed-length batches with keys and a positive softmax scale"
+        )));
     }
     check_extras(g, variant.extras, &name)?;
     let stream = dev.stream();
     let br = variant.block_rows();
     let num_m_blocks = g.max_sq.div_ceil(br);
-    let items = num_m_blocks.checked_mul(g.seqs.len() * g.hq).filter(|&b| b <= i32::MAX as usize);
+    // The persistent loop steps an i32 item index by the grid: keep it below i32::MAX.
+    let items = num_m_blocks.checked_mul(g.seqs.len() * g.hq).filter(|&b| b <= (i32::MAX / 2) as usize);
     let Some(items) = items else {
         return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {} heads is too large a grid", g.hq)));
     };
@@ -835,7 +895,7 @@ fn forward_ws<T: CudaElement>(
     };
     // TMA boxes: 64 columns (128 bytes, one swizzle row) by the tile's rows.
     let u = |x: usize| x as u64;
-    let (rows, bc) = (br as u32, variant.bc as u32);
+    let (rows, bc) = (i32_of("rows", br)? as u32, i32_of("keys a tile", variant.bc)? as u32);
     let (b, d) = (u(g.seqs.len()), u(g.d));
     let bytes = |l: &RowLayout| [u(l.token_stride * elem), u(l.head_stride * elem), u(l.batch_stride * elem)];
     let params = Fp8WsParams {
@@ -855,7 +915,7 @@ fn forward_ws<T: CudaElement>(
     // within the extents the geometry checked (the TMA reads nothing outside them), out and lse
     // are live buffers holding every element the kernel writes, and the sync guards keep them
     // ordered on this stream until the launch is enqueued.
-    unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd_ws", e))?;
+    unsafe { builder.launch(cfg) }.map_err(|e| driver_error(&format!("launch {}", variant.entry()), e))?;
     Ok(())
 }
 

@@ -358,6 +358,7 @@ impl Device {
         // variant if it asked for one that fits.
         let default = launch::supported(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
+        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, variant.mt, variant.bc)?;
         // The tile width this head dim runs on in the caller's kernel family (the Hopper forward
         // has widths the mma.sync one lacks).
         let width = tile_width(g.d, false, variant.wgmma).unwrap_or(default.d);
@@ -429,8 +430,9 @@ impl Device {
             true,
         )?;
         g.check_lse_len(lse.len())?;
-        let default = launch::fp8_supported(&g, &self.arch)?;
+        let default = launch::fp8_supported(&g, &self.arch, scales)?;
         let variant = variant.unwrap_or(default);
+        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, 1, variant.bc)?;
         if variant.d != default.d {
             return Err(Error::Unsupported(format!(
                 "variant {} does not fit d = {} (tile width {})",
@@ -741,7 +743,7 @@ pub fn forward_fp8_host_variant(
 ) -> Result<Output<half::bf16>> {
     scales.validate()?;
     let g = Geometry::new(spec, q, k, v)?;
-    launch::check_fp8_supported(&g)?;
+    launch::check_fp8_supported(&g, scales)?;
     let dev = default_device()?;
     let bytes = |t: &Tensor<'_, crate::Fp8E4m3>| t.data().iter().map(|x| x.to_bits()).collect::<Vec<u8>>();
     let upload = |t| dev.stream.clone_htod(&bytes(t)).map_err(|e| driver_error("upload", e));

@@ -51,10 +51,13 @@ __device__ __forceinline__ u32 pack4_e4m3(float b0, float b1, float b2, float b3
 // Probabilities of a raw score tile (unscaled q·k, one 16-row tile a warp) in place, with the
 // online-softmax state of its two rows (`row_max` in raw units, `row_sum` this thread's partial
 // sums) and `correction` for O: the scale folded into the exponent's FMA, the row max and sum as
-// trees rather than chains (one FMNMX or FADD after another is a chain of latencies).
+// trees rather than chains (one FMNMX or FADD after another is a chain of latencies). Needs
+// scale_log2 > 0 (the max of the raw scores is the max of the scaled ones, and a hidden -inf stays
+// -inf): the launchers send other scales to kernels that scale first.
 template <int NT>
 __device__ __forceinline__ void ws_softmax_tile(FragC (&s)[1][NT], float (&row_max)[2], float (&row_sum)[2],
                                                  float scale_log2, float (&correction)[2]) {
+    static_assert((NT & (NT - 1)) == 0, "the trees halve: a power-of-two count of n-tiles");
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float v[NT];
@@ -425,6 +428,7 @@ struct WsProducts<D, BC, false, BF16> {
 // wide (64 16-bit or 128 8-bit columns), the 128-byte swizzle the products read.
 template <int D, int BC, bool E4M3, bool BF16>
 struct FlashFwdWs {
+    static_assert(FA_WARPS == 8 && FA_MT == 1, "two consumer warpgroups of 64 rows (the launchers check it)");
     using Mma = WsProducts<D, BC, E4M3, BF16>;
     using Base = FlashFwd<D, 1, BC, 8, true>;  // the masks
     static constexpr int ESIZE = E4M3 ? 1 : 2;  // bytes an element
@@ -599,7 +603,7 @@ struct FlashFwdWs {
             mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
 
             if (tiles > 0 && !OVERLAP) {
-                // The products of a tile in turn.
+                // S, then P·V, one after the other (S issued in this warpgroup's turn).
                 FragA pa[PA];
                 for (int j = 0; j < tiles; ++j, ++it) {
                     wait_k(it);
@@ -716,6 +720,10 @@ struct FlashFwdWs {
                 }
                 __syncwarp();
             }
+            // The buffer was last written through the generic proxy (st.shared above); the
+            // producer's next TMA into it writes through the async proxy: order the two.
+            fence_proxy_async();
+            __syncwarp();
             if (lane == 0) mbar_arrive(bar_q_empty + 8 * qb);
         }
         // The turn warpgroup 1 passed last is never taken: absorb it (warpgroup 1 started one
