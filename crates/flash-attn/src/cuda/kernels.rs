@@ -32,8 +32,8 @@ pub(crate) fn backward_source() -> String {
 
 /// The program of the FP8 and warp-specialised forward kernels: the forward's helpers and
 /// parameter block (its own `flash_fwd` entry compiled out by `FA_FWD_ENTRY=0`), the e4m3
-/// warpgroup MMAs, and `flash_fwd_fp8` or `flash_fwd_ws` with the V transpose the FP8 kernels
-/// read (`fp8_transpose_v`).
+/// warpgroup MMAs, the FP8 kernel `flash_fwd_fp8` with the V transpose the FP8 kernels read
+/// (`fp8_transpose_v`), the TMA and mbarrier helpers, and `flash_fwd_ws`.
 pub(crate) fn ws_forward_source() -> String {
     [
         include_str!("kernels/tile.cuh"),
@@ -44,6 +44,8 @@ pub(crate) fn ws_forward_source() -> String {
         include_str!("kernels/flash_fwd.cuh"),
         include_str!("kernels/wgmma_fp8.cuh"),
         include_str!("kernels/flash_fwd_fp8.cuh"),
+        include_str!("kernels/tma.cuh"),
+        include_str!("kernels/flash_fwd_ws.cuh"),
     ]
     .join("\n")
 }
@@ -140,7 +142,7 @@ pub struct Variant {
     /// and `warps` a multiple of 4) rather than the mma.sync kernel that runs on sm_80 and up.
     pub wgmma: bool,
     /// Whether this is the warp-specialised Hopper kernel (`flash_fwd_ws` in
-    /// `flash_fwd_fp8.cuh`: a TMA producer warpgroup, K and V rings of mbarrier-guarded stages,
+    /// `flash_fwd_ws.cuh`: a TMA producer warpgroup, K and V rings of mbarrier-guarded stages,
     /// two consumer warpgroups taking turns at the tensor cores, a persistent grid; `warps`
     /// counts the consumers). Fixed-length batches without optional paths only.
     pub ws: bool,

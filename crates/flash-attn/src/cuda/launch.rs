@@ -555,15 +555,16 @@ struct Fp8TransposeParams {
     sk_pad: i32,
 }
 
-/// `TmaDesc` in `kernels/flash_fwd_fp8.cuh`: a `CUtensorMap`'s 128 bytes, 128-byte aligned.
+/// `TmaDesc` in `kernels/tma.cuh`: a `CUtensorMap`'s 128 bytes, 128-byte aligned.
 #[repr(C, align(128))]
 #[derive(Debug, Clone, Copy)]
 struct TmaDesc([u64; 16]);
 
-/// The warp-specialised FP8 kernel's parameters; field for field `Fp8WsParams`.
+/// The warp-specialised kernel's parameters (FP8 and 16-bit); field for field `WsParams` in
+/// `kernels/flash_fwd_ws.cuh`.
 #[repr(C, align(128))]
 #[derive(Debug, Clone, Copy)]
-struct Fp8WsParams {
+struct WsParams {
     q: TmaDesc,
     k: TmaDesc,
     v: TmaDesc,
@@ -622,7 +623,7 @@ fn tensor_map_of(what: &str, ptr: u64, elem: usize, dims: &[u64], strides: &[u64
 }
 
 // SAFETY: plain-old-data `#[repr(C)]` structs of integers and floats, mirrored by the kernels.
-unsafe impl DeviceRepr for Fp8WsParams {}
+unsafe impl DeviceRepr for WsParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for Fp8FwdParams {}
 // SAFETY: as above.
@@ -779,7 +780,7 @@ pub(crate) fn forward_fp8(
         let k_strides = [u(g.k.token_stride), u(g.k.head_stride), u(g.k.batch_stride)];
         // With no keys no K or V tile is read; K's descriptor still needs a size of at least 1.
         let sk = u(g.max_sk.max(1));
-        ws_params = Fp8WsParams {
+        ws_params = WsParams {
             q: tensor_map("q", qp, &[d, u(g.max_sq), u(g.hq), b], &q_strides, &[128, rows, 1, 1])?,
             k: tensor_map("k", kp, &[d, sk, u(g.hk), b], &k_strides, &[128, bc, 1, 1])?,
             v: tensor_map(
@@ -898,7 +899,7 @@ fn forward_ws<T: CudaElement>(
     let (rows, bc) = (i32_of("rows", br)? as u32, i32_of("keys a tile", variant.bc)? as u32);
     let (b, d) = (u(g.seqs.len()), u(g.d));
     let bytes = |l: &RowLayout| [u(l.token_stride * elem), u(l.head_stride * elem), u(l.batch_stride * elem)];
-    let params = Fp8WsParams {
+    let params = WsParams {
         q: tensor_map_of("q", qp, elem, &[d, u(g.max_sq), u(g.hq), b], &bytes(&g.q), &[64, rows, 1, 1])?,
         k: tensor_map_of("k", kp, elem, &[d, u(g.max_sk), u(g.hk), b], &bytes(&g.k), &[64, bc, 1, 1])?,
         v: tensor_map_of("v", vp, elem, &[d, u(g.max_sk), u(g.hk), b], &bytes(&g.v), &[64, bc, 1, 1])?,
@@ -911,7 +912,7 @@ fn forward_ws<T: CudaElement>(
     };
     let mut builder = stream.launch_builder(f);
     builder.arg(&params);
-    // SAFETY: the parameter block matches `Fp8WsParams`; the tensor maps describe q, k and v
+    // SAFETY: the parameter block matches `WsParams`; the tensor maps describe q, k and v
     // within the extents the geometry checked (the TMA reads nothing outside them), out and lse
     // are live buffers holding every element the kernel writes, and the sync guards keep them
     // ordered on this stream until the launch is enqueued.

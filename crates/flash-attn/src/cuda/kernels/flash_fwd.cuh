@@ -669,7 +669,7 @@ struct FlashFwdSm90 {
 #endif  // FA_WGMMA
 
 #ifndef FA_FWD_ENTRY
-#define FA_FWD_ENTRY 1  // 0: the program is flash_fwd_fp8.cuh's (the FP8 and warp-specialised kernels)
+#define FA_FWD_ENTRY 1  // 0: the program of the FP8 and warp-specialised kernels (flash_fwd_fp8.cuh, flash_fwd_ws.cuh)
 #endif
 #if !FA_FWD_ENTRY
 #elif FA_WGMMA

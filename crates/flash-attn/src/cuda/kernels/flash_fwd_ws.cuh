@@ -1,0 +1,375 @@
+// The warp-specialised forward for sm_90a (`flash_fwd_ws`, FA_WS = 1), FlashAttention-3's
+// structure (§3.1): a producer warpgroup moves tiles with TMA (cp.async.bulk.tensor, 128-byte
+// swizzle: the layout wgmma reads; tma.cuh) into rings of K and V buffers with "full" and "empty"
+// mbarriers; it gives up registers (setmaxnreg) to the two consumer warpgroups, which run the
+// overlapped loop of FlashFwdSm90 without a block-wide barrier per tile and take turns issuing
+// their products (named barriers: ping-pong), so that one's softmax runs under the other's MMAs.
+// For e4m3 inputs (FA_E4M3 = 1: the FP8 forward, with FlashFwdFp8Sm90's products and P packing
+// and V from the Vᵀ planes of flash_fwd_fp8.cuh's transpose) and for bf16/f16 (FA_E4M3 = 0:
+// FlashFwdSm90's products, V as stored).
+
+#if !FA_FWD_ENTRY && FA_WGMMA && FA_WS
+
+// Field for field `WsParams` in src/cuda/launch.rs.
+struct alignas(128) WsParams {
+    TmaDesc q;  // [b][sq][hq][d]: boxes of 128 bytes x BR rows
+    TmaDesc k;  // [b][sk][hk][d]: boxes of 128 bytes x BC rows
+    TmaDesc v;  // e4m3: the Vᵀ planes [planes][FA_D][sk_pad], boxes of BC keys x FA_D rows;
+                // 16-bit: V [b][sk][hk][d], boxes of 128 bytes x BC rows
+    Fp8FwdParams f;
+};
+
+// The products of the warp-specialised kernel, by input type: e4m3 (FlashFwdFp8Sm90's: V read
+// transposed from the Vᵀ planes, P as 8-bit A operands of 32 keys) or 16-bit (FlashFwdSm90's: V
+// read as stored, transposed by the instruction, P as A operands of 16 keys).
+template <int D, int BC, bool E4M3, bool BF16>
+struct WsProducts;
+template <int D, int BC, bool BF16>
+struct WsProducts<D, BC, true, BF16> {
+    using M = FlashFwdFp8Sm90<D, BC, 8>;
+    static constexpr int PA = BC / 32;
+    static __device__ __forceinline__ void issue_scores(FragC (&s)[1][BC / 8], u32 sQw, u32 sK) {
+        M::issue_scores(s, sQw, sK);
+    }
+    static __device__ __forceinline__ void issue_pv(FragC (&o)[1][D / 8], FragA (&pa)[PA], u32 sV) {
+        M::issue_pv(o, pa, sV);
+    }
+    static __device__ __forceinline__ void pv_done(FragC (&o)[1][D / 8], FragA (&pa)[PA]) { M::pv_done(o, pa); }
+    static __device__ __forceinline__ void pack_p(FragA (&pa)[PA], const FragC (&s)[1][BC / 8]) { M::pack_p(pa, s); }
+};
+template <int D, int BC, bool BF16>
+struct WsProducts<D, BC, false, BF16> {
+    using M = FlashFwdSm90<D, BC, 8, BF16>;
+    static constexpr int PA = BC / 16;
+    static __device__ __forceinline__ void issue_scores(FragC (&s)[1][BC / 8], u32 sQw, u32 sK) {
+        M::issue_scores(s, sQw, sK);
+    }
+    static __device__ __forceinline__ void issue_pv(FragC (&o)[1][D / 8], FragA (&pa)[PA], u32 sV) {
+        M::issue_pv(o, pa, sV);
+    }
+    static __device__ __forceinline__ void pv_done(FragC (&o)[1][D / 8], FragA (&pa)[PA]) { M::pv_done(o, pa); }
+    static __device__ __forceinline__ void pack_p(FragA (&pa)[PA], const FragC (&s)[1][BC / 8]) {
+#pragma unroll
+        for (int x = 0; x < PA; ++x) pa[x] = scores_to_a<BF16>(s[0][2 * x], s[0][2 * x + 1]);
+    }
+};
+
+// The warp-specialised forward (FA_WS), for e4m3 inputs (E4M3; the Vᵀ planes of
+// fp8_transpose_v) or bf16/f16 ones (V as stored). A producer warpgroup moves tiles with TMA into
+// two rings, K and V, of STAGES buffers each, every buffer with a "full" mbarrier (the TMA's bytes
+// landed) and an "empty" one (all eight consumer warps are done with it): K of tile j is freed as
+// soon as S_j completed, V of tile j after P_j·V_j, a tile later. Its column blocks are 128 bytes
+// wide (64 16-bit or 128 8-bit columns), the 128-byte swizzle the products read.
+template <int D, int BC, bool E4M3, bool BF16>
+struct FlashFwdWs {
+    static_assert(FA_WARPS == 8 && FA_MT == 1, "two consumer warpgroups of 64 rows (the launchers check it)");
+    using Mma = WsProducts<D, BC, E4M3, BF16>;
+    using Base = FlashFwd<D, 1, BC, 8, true>;  // the masks
+    static constexpr int ESIZE = E4M3 ? 1 : 2;  // bytes an element
+    static constexpr int BR = 128;              // two consumer warpgroups of 64 rows
+    static constexpr int CONSUMERS = 256;
+    static constexpr int THREADS = 384;  // + the producer warpgroup
+    static constexpr int NT = BC / 8;
+    static constexpr int DT = D / 8;
+    static constexpr int PA = Mma::PA;
+    static constexpr int ROW_BLOCKS = D * ESIZE / 128;  // 128-byte column blocks of a row
+    static constexpr int BLOCK_COLS = 128 / ESIZE;      // elements a column block holds
+    static_assert(D * ESIZE % 128 == 0, "rows of whole 128-byte blocks");
+    static_assert(BC == 128 || !E4M3, "a Vᵀ tile row is one 128-byte swizzle row: 128 keys");
+    static constexpr int Q_BYTES = BR * D * ESIZE;
+    static constexpr int K_BYTES = BC * D * ESIZE;
+    static constexpr int V_BYTES = BC * D * ESIZE;
+    static constexpr int STAGES = K_BYTES <= 16384 ? 4 : 2;  // per ring
+    // Two Q buffers, the K ring, the V ring, then the mbarriers (8 bytes each: Q full and empty,
+    // two each; K full and empty, V full and empty, STAGES each).
+    static constexpr int K_RING = 2 * Q_BYTES, V_RING = K_RING + STAGES * K_BYTES;
+    static constexpr int BAR_OFFSET = V_RING + STAGES * V_BYTES;
+    static constexpr int SMEM_BYTES = BAR_OFFSET + 8 * (4 + 4 * STAGES);
+    static_assert(SMEM_BYTES + 1024 <= 232448, "shared memory of one block a multiprocessor");
+    // S of the next tile and P·V of the previous one in flight together needs the score,
+    // probability and output registers at once: at D = 256 the output alone takes 128.
+    static constexpr bool OVERLAP = D <= 128;
+    // Named barriers 1 and 2 pass the turn to issue products between the consumer warpgroups.
+    static constexpr int BAR_TURN = 1;
+
+    // One work item: a block of BR query rows of one (sequence, head) and its key tiles.
+    struct Item {
+        int b, h, hk, row0, rows_valid, n_end, tiles;
+    };
+    static __device__ __forceinline__ Item item_at(const FwdParams& p, const Visibility& vis0, int i) {
+        const int heads = p.batch * p.hq;
+        int m_block, bh;
+        if (p.longest_first) {
+            // Later query blocks see more keys under a causal rule: all heads' longest first, so
+            // the grid's last items are short.
+            m_block = p.num_m_blocks - 1 - i / heads;
+            bh = i % heads;
+        } else {
+            m_block = i % p.num_m_blocks;  // consecutive items share a head: its K and V stay in L2
+            bh = i / p.num_m_blocks;
+        }
+        Item it;
+        it.b = bh / p.hq;
+        it.h = bh % p.hq;
+        it.hk = it.h / p.group;
+        it.row0 = m_block * BR;
+        it.rows_valid = max(min(BR, p.sq - it.row0), 0);
+        int key_lo = 0, key_hi = 0;
+        if (it.rows_valid > 0) vis0.key_range(it.row0, it.row0 + it.rows_valid, key_lo, key_hi);
+        const int n_begin = key_lo / BC;
+        it.n_end = (key_hi + BC - 1) / BC;
+        it.tiles = max(it.n_end - n_begin, 0);
+        return it;
+    }
+
+    // A persistent grid (one block a multiprocessor) walks the items blockIdx.x, + gridDim.x, ...:
+    // the producer loads the next item's Q (two Q buffers, each with a "full" and an "empty"
+    // mbarrier) and first tiles while the consumers finish the current one.
+    static __device__ __forceinline__ void run(const WsParams& pp, char* smem) {
+        const FwdParams& p = pp.f.base;
+        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int items = p.num_m_blocks * p.batch * p.hq;
+        const Visibility vis{p.sq, p.sk, p.sk - p.sq, p.causal, p.window_left, p.window_right};
+
+        const u32 sQ = smem_addr(smem), sK = sQ + K_RING, sV = sQ + V_RING;
+        const u32 bar_q_full = sQ + BAR_OFFSET, bar_q_empty = bar_q_full + 16;
+        const u32 bar_k_full = bar_q_empty + 16, bar_k_empty = bar_k_full + 8 * STAGES;
+        const u32 bar_v_full = bar_k_empty + 8 * STAGES, bar_v_empty = bar_v_full + 8 * STAGES;
+        if (tid == 0) {
+            for (int qb = 0; qb < 2; ++qb) {
+                mbar_init(bar_q_full + 8 * qb, 1);
+                mbar_init(bar_q_empty + 8 * qb, CONSUMERS / 32);
+            }
+            for (int st = 0; st < STAGES; ++st) {
+                mbar_init(bar_k_full + 8 * st, 1);
+                mbar_init(bar_k_empty + 8 * st, CONSUMERS / 32);  // one arrival per consumer warp
+                mbar_init(bar_v_full + 8 * st, 1);
+                mbar_init(bar_v_empty + 8 * st, CONSUMERS / 32);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+
+        if (warp >= CONSUMERS / 32) {
+            // The producer warpgroup: one thread issues every copy, the rest leave.
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+            if (tid == CONSUMERS) {
+                int it = 0, qi = 0;  // tiles and items so far: ring and Q-buffer phases
+                for (int i = blockIdx.x; i < items; i += gridDim.x, ++qi) {
+                    const Item w = item_at(p, vis, i);
+                    const int qb = qi & 1;
+                    if (qi >= 2) mbar_wait(bar_q_empty + 8 * qb, (u32)((qi / 2 - 1) & 1));
+                    const u32 q_full = bar_q_full + 8 * qb, sQb = sQ + (u32)(qb * Q_BYTES);
+                    mbar_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+                    for (int c = 0; c < ROW_BLOCKS; ++c)
+                        tma_load_4d(sQb + (u32)(c * BR * 128), &pp.q, BLOCK_COLS * c, w.row0, w.h, w.b, q_full);
+                    const int plane = w.b * (p.hq / p.group) + w.hk;
+                    for (int j = 0; j < w.tiles; ++j, ++it) {
+                        const int st = it % STAGES, n = w.n_end - 1 - j;
+                        const u32 round = (u32)((it / STAGES - 1) & 1);
+                        const u32 k_full = bar_k_full + 8 * st, v_full = bar_v_full + 8 * st;
+                        const u32 sKs = sK + (u32)(st * K_BYTES), sVs = sV + (u32)(st * V_BYTES);
+                        if (it >= STAGES) mbar_wait(bar_k_empty + 8 * st, round);
+                        mbar_expect_tx(k_full, K_BYTES);
+#pragma unroll
+                        for (int c = 0; c < ROW_BLOCKS; ++c)
+                            tma_load_4d(sKs + (u32)(c * BC * 128), &pp.k, BLOCK_COLS * c, n * BC, w.hk, w.b, k_full);
+                        if (it >= STAGES) mbar_wait(bar_v_empty + 8 * st, round);
+                        mbar_expect_tx(v_full, V_BYTES);
+                        if constexpr (E4M3) {
+                            tma_load_3d(sVs, &pp.v, n * BC, 0, plane, v_full);
+                        } else {
+#pragma unroll
+                            for (int c = 0; c < ROW_BLOCKS; ++c)
+                                tma_load_4d(sVs + (u32)(c * BC * 128), &pp.v, BLOCK_COLS * c, n * BC, w.hk, w.b,
+                                            v_full);
+                        }
+                    }
+                }
+            }
+            return;
+        }
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+        // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item.
+        const int wg = warp / 4, warp_row = warp * 16;
+        const float scale_log2 = p.scale_log2;
+        // Turns: warpgroup 0 issues first; each passes the turn after issuing its products.
+        const int my_turn = BAR_TURN + wg, their_turn = BAR_TURN + (1 - wg);
+        if (wg == 1) named_arrive(BAR_TURN, CONSUMERS);
+        auto k_at = [&](int it) { return sK + (u32)((it % STAGES) * K_BYTES); };
+        auto v_at = [&](int it) { return sV + (u32)((it % STAGES) * V_BYTES); };
+        auto wait_k = [&](int it) { mbar_wait(bar_k_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1)); };
+        auto wait_v = [&](int it) { mbar_wait(bar_v_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1)); };
+        auto free_k = [&](int it) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_k_empty + 8 * (it % STAGES));
+        };
+        auto free_v = [&](int it) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_v_empty + 8 * (it % STAGES));
+        };
+
+        int it = 0, qi = 0;
+        for (int i = blockIdx.x; i < items; i += gridDim.x, ++qi) {
+            const int qb = qi & 1;
+            const u32 sQb = sQ + (u32)(qb * Q_BYTES), sQw = sQb + (u32)(wg * 64 * 128);
+            FragC o[1][DT];
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
+            float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+            int tiles, n_end, row0, rows_valid;
+            {
+                const Item w = item_at(p, vis, i);
+                tiles = w.tiles;
+                n_end = w.n_end;
+                row0 = w.row0;
+                rows_valid = w.rows_valid;
+            }
+            auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[2]) {
+                if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
+                    Base::apply_mask(s, vis, nullptr, p.block, row0 + warp_row, col0, lane);
+                ws_softmax_tile(s, row_max, row_sum, scale_log2, correction);
+            };
+            mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
+
+            if (tiles > 0 && !OVERLAP) {
+                // S, then P·V, one after the other (S issued in this warpgroup's turn).
+                FragA pa[PA];
+                for (int j = 0; j < tiles; ++j, ++it) {
+                    wait_k(it);
+                    FragC s[1][NT];
+                    named_sync(my_turn, CONSUMERS);
+                    Mma::issue_scores(s, sQw, k_at(it));
+                    named_arrive(their_turn, CONSUMERS);
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    free_k(it);
+                    float correction[2];
+                    probabilities(s, (n_end - 1 - j) * BC, correction);
+                    float corr[1][2] = {{correction[0], correction[1]}};
+                    OnlineSoftmax<1>::rescale(o, corr);
+                    Mma::pack_p(pa, s);
+                    wait_v(it);
+                    Mma::issue_pv(o, pa, v_at(it));
+                    wgmma_wait<0>();
+                    Mma::pv_done(o, pa);
+                    free_v(it);
+                }
+                // One more turn, as the overlapped loop takes (its last P·V): every item takes
+                // tiles + 1 turns in both loops.
+                named_sync(my_turn, CONSUMERS);
+                named_arrive(their_turn, CONSUMERS);
+            } else if (tiles > 0) {
+                FragA pa[PA];
+                {
+                    wait_k(it);
+                    FragC s[1][NT];
+                    named_sync(my_turn, CONSUMERS);
+                    Mma::issue_scores(s, sQw, k_at(it));
+                    named_arrive(their_turn, CONSUMERS);
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    free_k(it);
+                    float correction[2];
+                    probabilities(s, (n_end - 1) * BC, correction);
+                    Mma::pack_p(pa, s);
+                    ++it;
+                }
+                for (int j = 1; j < tiles; ++j, ++it) {
+                    wait_k(it);
+                    wait_v(it - 1);
+                    FragC s[1][NT];
+                    named_sync(my_turn, CONSUMERS);
+                    Mma::issue_scores(s, sQw, k_at(it));
+                    Mma::issue_pv(o, pa, v_at(it - 1));
+                    named_arrive(their_turn, CONSUMERS);
+                    wgmma_wait<1>();
+                    fence_operands(s[0]);
+                    free_k(it);
+                    float correction[2];
+                    probabilities(s, (n_end - 1 - j) * BC, correction);
+                    wgmma_wait<0>();
+                    Mma::pv_done(o, pa);
+                    free_v(it - 1);
+                    float corr[1][2] = {{correction[0], correction[1]}};
+                    OnlineSoftmax<1>::rescale(o, corr);
+                    Mma::pack_p(pa, s);
+                }
+                wait_v(it - 1);
+                named_sync(my_turn, CONSUMERS);
+                Mma::issue_pv(o, pa, v_at(it - 1));
+                named_arrive(their_turn, CONSUMERS);
+                wgmma_wait<0>();
+                Mma::pv_done(o, pa);
+                free_v(it - 1);
+            }
+
+            // Normalise (v_descale with 1 / rowsum); each warp then writes its own 16 rows through
+            // its own 16 rows of this item's Q buffer (2 KiB a column block, free once its
+            // warpgroup's products completed), 64 columns at a time: no other warp reads or writes
+            // them, so no block-wide barrier; then the buffer goes back to the producer.
+            float lse[2];
+            ws_finish(o, row_max, row_sum, scale_log2, pp.f.v_descale, lse);
+            // The item's place, recomputed rather than kept live through the loop (at D = 256 the
+            // registers are all taken by then).
+            const Item w = item_at(p, vis, (int)opaque((u32)i));
+            const int g = lane >> 2, t = lane & 3;
+            u16* gO = p.o + w.b * p.o_batch + (long long)(w.row0 + warp_row) * p.o_row + w.h * p.o_head;
+            float* gL = p.lse + w.b * p.lse_batch + w.h * p.lse_head + w.row0 + warp_row;
+            const int rows_here = w.rows_valid - warp_row;  // rows of this warp inside the sequence
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                if (t == 0 && g + 8 * r < rows_here) gL[g + 8 * r] = lse[r];
+#pragma unroll
+            for (int pass = 0; pass < D / 64; ++pass) {
+                const u32 sW = sQb + (u32)((pass % ROW_BLOCKS) * BR * 128 + warp_row * 128);  // 16 rows
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = g + 8 * r;
+#pragma unroll
+                    for (int c = 0; c < 8; ++c) {
+                        const int dt = 8 * pass + c;
+                        const u32 v = pack2<BF16 || E4M3>(o[0][dt].x[2 * r], o[0][dt].x[2 * r + 1]);
+                        const u32 addr = sW + (u32)(row * 128 + ((c ^ (row & 7)) * 16) + 4 * t);
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+                    }
+                }
+                __syncwarp();
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int c = 32 * k + lane, row = c / 8, ch = c % 8;
+                    if (row < rows_here && 8 * (8 * pass + ch) < p.d) {
+                        uint4 v;
+                        const u32 addr = sW + (u32)(row * 128 + ((ch ^ (row & 7)) * 16));
+                        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                     : "r"(addr)
+                                     : "memory");
+                        *reinterpret_cast<uint4*>(gO + row * p.o_row + (8 * pass + ch) * 8) = v;
+                    }
+                }
+                __syncwarp();
+            }
+            // The buffer was last written through the generic proxy (st.shared above); the
+            // producer's next TMA into it writes through the async proxy: order the two.
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_q_empty + 8 * qb);
+        }
+        // The turn warpgroup 1 passed last is never taken: absorb it (warpgroup 1 started one
+        // turn ahead).
+        if (wg == 0) named_sync(my_turn, CONSUMERS);
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_ws(const __grid_constant__ WsParams p) {
+    extern __shared__ __align__(128) char smem[];
+    const u32 base = smem_addr(smem);
+    FlashFwdWs<FA_D, FA_BC, FA_E4M3 != 0, FA_BF16 != 0>::run(p, smem + (((base + 1023u) & ~1023u) - base));
+}
+
+#endif  // !FA_FWD_ENTRY && FA_WGMMA && FA_WS
