@@ -58,6 +58,70 @@ struct FwdParams {
     block: BlockMaskParams,
 }
 
+/// Device addresses of a forward call's buffers.
+#[derive(Debug, Clone, Copy)]
+struct FwdBuffers {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    lse: u64,
+}
+
+impl FwdParams {
+    /// The parameter block of a forward over `g` into `bufs`: strides of q, k, v as the geometry
+    /// holds them and the output's `o_layout` (in elements), lse contiguous (`[b, hq, sq]`, or
+    /// `[hq, tq]` for varlen), the visibility rule, the softmax scale in exp2 units; no
+    /// `cu_seqlens`, no softcap, ALiBi or block mask, dropout as `g` has it. Callers override what
+    /// their kernel reads differently.
+    fn of(g: &Geometry<'_>, bufs: FwdBuffers, o_layout: &RowLayout, num_m_blocks: usize) -> Result<Self> {
+        let (lse_batch, lse_head) = if g.varlen { (0, g.total_q) } else { (g.hq * g.max_sq, g.max_sq) };
+        let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
+        Ok(FwdParams {
+            q: bufs.q,
+            k: bufs.k,
+            v: bufs.v,
+            o: bufs.o,
+            lse: bufs.lse,
+            cu_seqlens_q: 0,
+            cu_seqlens_k: 0,
+            q_batch: g.q.batch_stride as i64,
+            q_row: g.q.token_stride as i64,
+            q_head: g.q.head_stride as i64,
+            k_batch: g.k.batch_stride as i64,
+            k_row: g.k.token_stride as i64,
+            k_head: g.k.head_stride as i64,
+            v_batch: g.v.batch_stride as i64,
+            v_row: g.v.token_stride as i64,
+            v_head: g.v.head_stride as i64,
+            o_batch: o_layout.batch_stride as i64,
+            o_row: o_layout.token_stride as i64,
+            o_head: o_layout.head_stride as i64,
+            lse_batch: lse_batch as i64,
+            lse_head: lse_head as i64,
+            batch: i32_of("batch", g.seqs.len())?,
+            hq: i32_of("hq", g.hq)?,
+            group: i32_of("hq / hk", g.hq / g.hk)?,
+            d: i32_of("d", g.d)?,
+            sq: i32_of("sq", g.max_sq)?,
+            sk: i32_of("sk", g.max_sk)?,
+            num_m_blocks: i32_of("query tiles", num_m_blocks)?,
+            causal: match g.causal {
+                Causal::None => 0,
+                Causal::BottomRight => 1,
+                Causal::TopLeft => 2,
+            },
+            window_left,
+            window_right,
+            scale_log2: g.scale * std::f32::consts::LOG2_E,
+            longest_first: i32::from(g.causal != Causal::None),
+            dropout: DropoutParams::of(g),
+            score_mod: ScoreMod::new(0, None, g.scale),
+            block: BlockMaskParams::default(),
+        })
+    }
+}
+
 /// `BlockMask` in `kernels/mask.cuh`: the block-sparse mask's bytes on the device, with the
 /// strides of `[b, h, qb, kb]` in elements (0 for broadcast dimensions) and the block size.
 #[repr(C)]
@@ -466,49 +530,13 @@ pub(crate) fn forward<T: CudaElement>(
     let (cq, _cu_sync) = optional_ptr(cu.as_ref(), stream);
     let ck = if cq == 0 { 0 } else { cq + 4 * (g.seqs.len() as u64 + 1) };
 
-    let (lse_batch, lse_head) = if g.varlen { (0, g.total_q) } else { (g.hq * g.max_sq, g.max_sq) };
-    let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
+    let bufs = FwdBuffers { q: qp, k: kp, v: vp, o: op, lse: lp };
     let params = FwdParams {
-        q: qp,
-        k: kp,
-        v: vp,
-        o: op,
-        lse: lp,
         cu_seqlens_q: cq,
         cu_seqlens_k: ck,
-        q_batch: g.q.batch_stride as i64,
-        q_row: g.q.token_stride as i64,
-        q_head: g.q.head_stride as i64,
-        k_batch: g.k.batch_stride as i64,
-        k_row: g.k.token_stride as i64,
-        k_head: g.k.head_stride as i64,
-        v_batch: g.v.batch_stride as i64,
-        v_row: g.v.token_stride as i64,
-        v_head: g.v.head_stride as i64,
-        o_batch: o_layout.batch_stride as i64,
-        o_row: o_layout.token_stride as i64,
-        o_head: o_layout.head_stride as i64,
-        lse_batch: lse_batch as i64,
-        lse_head: lse_head as i64,
-        batch: i32_of("batch", g.seqs.len())?,
-        hq: i32_of("hq", g.hq)?,
-        group: i32_of("hq / hk", g.hq / g.hk)?,
-        d: i32_of("d", g.d)?,
-        sq: i32_of("sq", g.max_sq)?,
-        sk: i32_of("sk", g.max_sk)?,
-        num_m_blocks: num_m_blocks as i32,
-        causal: match g.causal {
-            Causal::None => 0,
-            Causal::BottomRight => 1,
-            Causal::TopLeft => 2,
-        },
-        window_left,
-        window_right,
-        scale_log2: g.scale * std::f32::consts::LOG2_E,
-        longest_first: i32::from(g.causal != Causal::None),
-        dropout: DropoutParams::of(g),
         score_mod,
         block,
+        ..FwdParams::of(g, bufs, &o_layout, num_m_blocks)?
     };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
@@ -719,48 +747,14 @@ pub(crate) fn forward_fp8(
         unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch fp8_transpose_v", e))?;
     }
 
-    let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
+    // V is read from the Vᵀ planes: [batch · hk][tile width][keys].
+    let bufs = FwdBuffers { q: qp, k: kp, v: vtp, o: op, lse: lp };
     let base = FwdParams {
-        q: qp,
-        k: kp,
-        v: vtp,
-        o: op,
-        lse: lp,
-        cu_seqlens_q: 0,
-        cu_seqlens_k: 0,
-        q_batch: g.q.batch_stride as i64,
-        q_row: g.q.token_stride as i64,
-        q_head: g.q.head_stride as i64,
-        k_batch: g.k.batch_stride as i64,
-        k_row: g.k.token_stride as i64,
-        k_head: g.k.head_stride as i64,
         v_batch: (g.hk * plane) as i64,
         v_row: keys as i64,
         v_head: plane as i64,
-        o_batch: o_layout.batch_stride as i64,
-        o_row: o_layout.token_stride as i64,
-        o_head: o_layout.head_stride as i64,
-        lse_batch: (g.hq * g.max_sq) as i64,
-        lse_head: g.max_sq as i64,
-        batch: i32_of("batch", g.seqs.len())?,
-        hq: i32_of("hq", g.hq)?,
-        group: i32_of("hq / hk", g.hq / g.hk)?,
-        d: i32_of("d", g.d)?,
-        sq: i32_of("sq", g.max_sq)?,
-        sk: i32_of("sk", g.max_sk)?,
-        num_m_blocks: num_m_blocks as i32,
-        causal: match g.causal {
-            Causal::None => 0,
-            Causal::BottomRight => 1,
-            Causal::TopLeft => 2,
-        },
-        window_left,
-        window_right,
         scale_log2: fp8_scale_log2(g, scales),
-        longest_first: i32::from(g.causal != Causal::None),
-        dropout: DropoutParams::of(g),
-        score_mod: ScoreMod::new(0, None, g.scale),
-        block: BlockMaskParams::default(),
+        ..FwdParams::of(g, bufs, &o_layout, num_m_blocks)?
     };
     let params = Fp8FwdParams { base, v_descale: scales.v };
     // The persistent kernel: a block a multiprocessor (fewer for fewer items).
@@ -851,49 +845,7 @@ fn forward_ws<T: CudaElement>(
     check_alignment("k", kp, &g.k, elem)?;
     check_alignment("v", vp, &g.v, elem)?;
     check_alignment("out", op, &o_layout, elem)?;
-    let (window_left, window_right) = g.window.map_or((-1, -1), |(l, r)| (window_side(l), window_side(r)));
-    let base = FwdParams {
-        q: qp,
-        k: kp,
-        v: vp,
-        o: op,
-        lse: lp,
-        cu_seqlens_q: 0,
-        cu_seqlens_k: 0,
-        q_batch: g.q.batch_stride as i64,
-        q_row: g.q.token_stride as i64,
-        q_head: g.q.head_stride as i64,
-        k_batch: g.k.batch_stride as i64,
-        k_row: g.k.token_stride as i64,
-        k_head: g.k.head_stride as i64,
-        v_batch: g.v.batch_stride as i64,
-        v_row: g.v.token_stride as i64,
-        v_head: g.v.head_stride as i64,
-        o_batch: o_layout.batch_stride as i64,
-        o_row: o_layout.token_stride as i64,
-        o_head: o_layout.head_stride as i64,
-        lse_batch: (g.hq * g.max_sq) as i64,
-        lse_head: g.max_sq as i64,
-        batch: i32_of("batch", g.seqs.len())?,
-        hq: i32_of("hq", g.hq)?,
-        group: i32_of("hq / hk", g.hq / g.hk)?,
-        d: i32_of("d", g.d)?,
-        sq: i32_of("sq", g.max_sq)?,
-        sk: i32_of("sk", g.max_sk)?,
-        num_m_blocks: num_m_blocks as i32,
-        causal: match g.causal {
-            Causal::None => 0,
-            Causal::BottomRight => 1,
-            Causal::TopLeft => 2,
-        },
-        window_left,
-        window_right,
-        scale_log2: g.scale * std::f32::consts::LOG2_E,
-        longest_first: i32::from(g.causal != Causal::None),
-        dropout: DropoutParams::of(g),
-        score_mod: ScoreMod::new(0, None, g.scale),
-        block: BlockMaskParams::default(),
-    };
+    let base = FwdParams::of(g, FwdBuffers { q: qp, k: kp, v: vp, o: op, lse: lp }, &o_layout, num_m_blocks)?;
     // TMA boxes: 64 columns (128 bytes, one swizzle row) by the tile's rows.
     let u = |x: usize| x as u64;
     let (rows, bc) = (i32_of("rows", br)? as u32, i32_of("keys a tile", variant.bc)? as u32);
@@ -1179,4 +1131,53 @@ pub(crate) fn backward<T: CudaElement>(
         unsafe { b.launch(cfg) }.map_err(|e| driver_error("launch flash_bwd_convert", e))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::AttentionSpec;
+    use crate::tensor::Tensor;
+
+    #[test]
+    fn forward_parameters_follow_the_geometry() {
+        // Fixed length, strided q (rows of 3 heads' worth: a packed qkv), GQA, a window.
+        let (b, sq, sk, hq, hk, d) = (2, 5, 7, 4, 2, 16);
+        let q = vec![(); b * sq * 3 * hq * d];
+        let kv = vec![(); b * sk * hk * d];
+        let qt = Tensor::with_strides(&q, &[b, sq, hq, d], &[sq * 3 * hq * d, 3 * hq * d, d, 1]);
+        let kt = Tensor::new(&kv, &[b, sk, hk, d]);
+        let spec = AttentionSpec::new().scale(0.5).window(3, 1);
+        let g = Geometry::new(&spec, &qt, &kt, &kt).expect("geometry");
+        let o = RowLayout { batch_stride: sq * hq * d, token_stride: hq * d, head_stride: d };
+        let bufs = FwdBuffers { q: 1, k: 2, v: 3, o: 4, lse: 5 };
+        let p = FwdParams::of(&g, bufs, &o, 1).expect("params");
+        assert_eq!((p.q, p.k, p.v, p.o, p.lse, p.cu_seqlens_q, p.cu_seqlens_k), (1, 2, 3, 4, 5, 0, 0));
+        assert_eq!((p.q_batch, p.q_row, p.q_head), ((sq * 3 * hq * d) as i64, (3 * hq * d) as i64, d as i64));
+        assert_eq!((p.k_batch, p.k_row, p.k_head), ((sk * hk * d) as i64, (hk * d) as i64, d as i64));
+        assert_eq!((p.v_batch, p.v_row, p.v_head), (p.k_batch, p.k_row, p.k_head));
+        assert_eq!((p.o_batch, p.o_row, p.o_head), ((sq * hq * d) as i64, (hq * d) as i64, d as i64));
+        assert_eq!((p.lse_batch, p.lse_head), ((hq * sq) as i64, sq as i64));
+        assert_eq!((p.batch, p.hq, p.group, p.d, p.sq, p.sk), (2, 4, 2, 16, 5, 7));
+        assert_eq!((p.causal, p.window_left, p.window_right, p.longest_first), (0, 3, 1, 0));
+        assert_eq!(p.scale_log2, 0.5 * std::f32::consts::LOG2_E);
+        let g = Geometry::new(&AttentionSpec::new().causal_mode(Causal::TopLeft), &qt, &kt, &kt).expect("geometry");
+        let p = FwdParams::of(&g, bufs, &o, 1).expect("params");
+        assert_eq!((p.causal, p.window_left, p.window_right, p.longest_first), (2, -1, -1, 1));
+        // Varlen: lse is [hq, tq].
+        let (cu_q, cu_k) = ([0i32, 2, 5], [0i32, 3, 7]);
+        let q = vec![(); 5 * hq * d];
+        let kv = vec![(); 7 * hk * d];
+        let spec = AttentionSpec::new().varlen(&cu_q, &cu_k);
+        let g = Geometry::new(
+            &spec,
+            &Tensor::new(&q, &[5, hq, d]),
+            &Tensor::new(&kv, &[7, hk, d]),
+            &Tensor::new(&kv, &[7, hk, d]),
+        )
+        .expect("geometry");
+        let o = RowLayout { batch_stride: 0, token_stride: hq * d, head_stride: d };
+        let p = FwdParams::of(&g, bufs, &o, 1).expect("params");
+        assert_eq!((p.lse_batch, p.lse_head, p.causal, p.longest_first), (0, 5, 0, 0));
+    }
 }
