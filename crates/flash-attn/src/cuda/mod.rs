@@ -116,6 +116,33 @@ pub fn driver_available() -> Result<()> {
     }
 }
 
+/// The geometry of a forward on device buffers (the shapes and strides of `q`, `k`, `v`, checked
+/// as for host tensors), the layout of `out`, and `lse`'s length checked.
+fn forward_geometry<'a, T, O>(
+    spec: &AttentionSpec<'a>,
+    [q, k, v]: [&DeviceTensor<'_, T>; 3],
+    out: &DeviceTensorMut<'_, O>,
+    lse_len: usize,
+) -> Result<(Geometry<'a>, crate::spec::RowLayout)> {
+    let units = |n: usize| vec![(); n];
+    let (units_q, units_k, units_v) = (units(q.data.len()), units(k.data.len()), units(v.data.len()));
+    let mut units_o = units(out.data.len());
+    let g = Geometry::new(
+        spec,
+        &Tensor::with_strides(&units_q, &q.shape, &q.strides),
+        &Tensor::with_strides(&units_k, &k.shape, &k.strides),
+        &Tensor::with_strides(&units_v, &v.shape, &v.strides),
+    )?;
+    let o_layout = g.check_output_like(
+        "out",
+        &TensorMut::with_strides(&mut units_o, &out.shape, &out.strides),
+        &g.out_shape(),
+        true,
+    )?;
+    g.check_lse_len(lse_len)?;
+    Ok((g, o_layout))
+}
+
 /// A GPU, its stream, and the kernels loaded on it so far.
 pub struct Device {
     ctx: Arc<CudaContext>,
@@ -337,23 +364,7 @@ impl Device {
         lse: &mut CudaViewMut<'_, f32>,
         variant: Option<Variant>,
     ) -> Result<()> {
-        let units_q = vec![(); q.data.len()];
-        let units_k = vec![(); k.data.len()];
-        let units_v = vec![(); v.data.len()];
-        let mut units_o = vec![(); out.data.len()];
-        let g = Geometry::new(
-            spec,
-            &Tensor::with_strides(&units_q, &q.shape, &q.strides),
-            &Tensor::with_strides(&units_k, &k.shape, &k.strides),
-            &Tensor::with_strides(&units_v, &v.shape, &v.strides),
-        )?;
-        let o_layout = g.check_output_like(
-            "out",
-            &TensorMut::with_strides(&mut units_o, &out.shape, &out.strides),
-            &g.out_shape(),
-            true,
-        )?;
-        g.check_lse_len(lse.len())?;
+        let (g, o_layout) = forward_geometry(spec, [q, k, v], out, lse.len())?;
         // What the problem needs (and whether the kernels support it at all), then the caller's
         // variant if it asked for one that fits.
         let default = launch::supported(&g, T::DTYPE, &self.arch)?;
@@ -413,23 +424,7 @@ impl Device {
         variant: Option<Fp8Variant>,
     ) -> Result<()> {
         scales.validate()?;
-        let units_q = vec![(); q.data.len()];
-        let units_k = vec![(); k.data.len()];
-        let units_v = vec![(); v.data.len()];
-        let mut units_o = vec![(); out.data.len()];
-        let g = Geometry::new(
-            spec,
-            &Tensor::with_strides(&units_q, &q.shape, &q.strides),
-            &Tensor::with_strides(&units_k, &k.shape, &k.strides),
-            &Tensor::with_strides(&units_v, &v.shape, &v.strides),
-        )?;
-        let o_layout = g.check_output_like(
-            "out",
-            &TensorMut::with_strides(&mut units_o, &out.shape, &out.strides),
-            &g.out_shape(),
-            true,
-        )?;
-        g.check_lse_len(lse.len())?;
+        let (g, o_layout) = forward_geometry(spec, [q, k, v], out, lse.len())?;
         let default = launch::fp8_supported(&g, &self.arch, scales)?;
         let variant = variant.unwrap_or(default);
         launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, 1, variant.bc)?;
