@@ -717,6 +717,41 @@ fn fp8_forward_options_it_lacks_are_typed_errors() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn causal_launches_in_head_chunks_meet_the_contract() {
+    // Under a causal rule the forward orders its work items in chunks of heads whose K and V fit
+    // L2 together (`causal_chunk_heads` in cuda/launch.rs): at 16 000 keys of d 128 a kv head's K
+    // and V take 8.2 MB, so two kv heads (four query heads of GQA groups of 2) make a chunk and
+    // the six heads here go in a chunk of four and a short one of two (a unit test there checks
+    // the count). Both causal rules, on the default variant (the warp-specialised kernel and its
+    // tile scheduler on sm_90a), the pre-Hopper kernel and, on sm_90a, the Hopper one without
+    // warp specialisation; the oracle computed once a rule.
+    let dev = cuda::default_device().expect("a CUDA device");
+    let mut rng = Rng::new(0xc4a2);
+    for causal in [Causal::BottomRight, Causal::TopLeft] {
+        let mut c = random_cuda_case(&mut rng);
+        (c.dtype, c.d, c.dv, c.varlen, c.causal, c.window, c.scale) =
+            (DType::BF16, 128, 128, false, causal, None, None);
+        use_paths(&mut c, ExtraPaths::NONE, 2, &mut rng);
+        c.storage = Storage::Contiguous;
+        (c.hq, c.hk) = (6, 3);
+        c.seqlens = vec![(130, 16_000)];
+        let data = c.data::<bf16>();
+        let spec = c.spec(&data);
+        let [q, k, v] = data.views();
+        let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
+        let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
+        let variants = [None, Variant::default_for(DType::BF16, 128), Variant::hopper_for(DType::BF16, 128)];
+        for variant in variants.into_iter().filter(|v| v.is_none_or(|v| v.runs_on(dev.arch()))) {
+            let ours = cuda::forward_host_variant(&spec, &q, &k, &v, variant).expect("cuda forward");
+            let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
+            let name = variant.map(|v| v.name()).unwrap_or_else(|| "default".into());
+            assert!(rep.passed(), "{name} on {c}: {rep}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
 fn edge_cases_around_the_warp_specialised_kernels() {
     let dev = cuda::default_device().expect("a CUDA device");
     let mut rng = Rng::new(0xed6e);

@@ -218,11 +218,12 @@ impl Variant {
     /// Dynamic shared memory, 2 bytes an element: the Q tile plus one K and one V tile; the
     /// Hopper kernel keeps two buffers each of K and V in 64-column blocks (a 96 tile takes two,
     /// as a 128 one does), and 1 KiB of slack to align the tiles to the 1024-byte period of the
-    /// 128-byte swizzle. The warp-specialised kernel: two Q tiles, its rings and its mbarriers.
+    /// 128-byte swizzle. The warp-specialised kernel: two Q tiles, its rings, its mbarriers and
+    /// the item indices of the Q tiles.
     pub fn smem_bytes(&self) -> usize {
         if self.ws {
             let stages = self.ws_stages();
-            (2 * self.block_rows() + 2 * stages * self.bc) * self.d * 2 + 8 * (4 + 4 * stages) + 1024
+            (2 * self.block_rows() + 2 * stages * self.bc) * self.d * 2 + 8 * (4 + 4 * stages) + 8 + 1024
         } else if self.wgmma {
             (self.block_rows() + 4 * self.bc) * self.d.next_multiple_of(64) * 2 + 1024
         } else {
@@ -694,10 +695,10 @@ impl Fp8Variant {
 
     /// Dynamic shared memory: the Q tile (two in the warp-specialised kernel, whose producer loads
     /// the next work item's while the consumers finish one) and the stages of K and transposed V
-    /// tiles (one byte an element), the warp-specialised kernel's mbarriers, and 1 KiB of slack
-    /// to align the tiles to the 128-byte swizzle's 1024-byte period.
+    /// tiles (one byte an element), the warp-specialised kernel's mbarriers and item indices, and
+    /// 1 KiB of slack to align the tiles to the 128-byte swizzle's 1024-byte period.
     pub fn smem_bytes(&self) -> usize {
-        let (q_tiles, bars) = if self.ws { (2, 8 * (4 + 4 * self.stages())) } else { (1, 0) };
+        let (q_tiles, bars) = if self.ws { (2, 8 * (4 + 4 * self.stages()) + 8) } else { (1, 0) };
         (q_tiles * self.block_rows() + 2 * self.stages() * self.bc) * self.d + bars + 1024
     }
 

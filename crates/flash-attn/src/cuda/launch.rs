@@ -58,6 +58,22 @@ struct FwdParams {
     block: BlockMaskParams,
 }
 
+/// Bytes of K and V that the heads of one causal chunk (`FwdParams::longest_first`) may hold
+/// together: a third of the H100's 50 MB L2, so that two chunks' worth (one ending, one starting)
+/// and the queries in flight fit. (Measured against 32 MiB and all heads at once: 16 MiB was the
+/// best or level at d 128, level at d 64; docs/cuda-notes.md.)
+const CAUSAL_CHUNK_BYTES: usize = 16 << 20;
+
+/// Query heads a causal forward orders together (`fwd_item` in `flash_fwd.cuh`): as many as
+/// [`CAUSAL_CHUNK_BYTES`] of 16-bit K and V hold, GQA's shared key/value heads counted once, at
+/// least one, at most every head of the batch.
+fn causal_chunk_heads(g: &Geometry<'_>) -> i32 {
+    let kv_head_bytes = g.max_sk.max(1).saturating_mul(g.d + g.dv).saturating_mul(2);
+    let kv_heads = (CAUSAL_CHUNK_BYTES / kv_head_bytes).max(1);
+    let heads = g.seqs.len().saturating_mul(g.hq).max(1);
+    kv_heads.saturating_mul(g.hq / g.hk.max(1)).min(heads).min(i32::MAX as usize) as i32
+}
+
 /// Device addresses of a forward call's buffers.
 #[derive(Debug, Clone, Copy)]
 struct FwdBuffers {
@@ -114,7 +130,7 @@ impl FwdParams {
             window_left,
             window_right,
             scale_log2: g.scale * std::f32::consts::LOG2_E,
-            longest_first: i32::from(g.causal != Causal::None),
+            longest_first: if g.causal == Causal::None { 0 } else { causal_chunk_heads(g) },
             dropout: DropoutParams::of(g),
             score_mod: ScoreMod::new(0, None, g.scale),
             block: BlockMaskParams::default(),
@@ -597,6 +613,14 @@ struct WsParams {
     k: TmaDesc,
     v: TmaDesc,
     f: Fp8FwdParams,
+    /// The tile scheduler's counter: one `i32` on the device, zero at launch.
+    next_item: u64,
+}
+
+/// The warp-specialised kernels' tile-scheduler counter: one zeroed `i32` for one launch,
+/// allocated on the stream (freed there after the kernel).
+fn scheduler_counter(stream: &std::sync::Arc<CudaStream>) -> Result<cudarc::driver::CudaSlice<i32>> {
+    stream.alloc_zeros::<i32>(1).map_err(|e| driver_error("alloc the tile scheduler's counter", e))
 }
 
 /// A TMA descriptor for an e4m3 tensor at `ptr` with sizes `dims` (innermost first, in elements),
@@ -754,6 +778,9 @@ pub(crate) fn forward_fp8(
         v_row: keys as i64,
         v_head: plane as i64,
         scale_log2: fp8_scale_log2(g, scales),
+        // Causal: all heads' longest query blocks first, the order the FP8 kernels were measured
+        // in (L2-sized head chunks on their fixed stride were slower at 16k keys).
+        longest_first: if g.causal == Causal::None { 0 } else { i32_of("heads", heads)? },
         ..FwdParams::of(g, bufs, &o_layout, num_m_blocks)?
     };
     let params = Fp8FwdParams { base, v_descale: scales.v };
@@ -785,6 +812,7 @@ pub(crate) fn forward_fp8(
                 &[bc, variant.d as u32, 1],
             )?,
             f: params,
+            next_item: 0, // the FP8 kernel keeps the fixed stride (`SCHEDULED` in the kernel)
         };
         builder.arg(&ws_params);
     } else {
@@ -846,6 +874,8 @@ fn forward_ws<T: CudaElement>(
     check_alignment("v", vp, &g.v, elem)?;
     check_alignment("out", op, &o_layout, elem)?;
     let base = FwdParams::of(g, FwdBuffers { q: qp, k: kp, v: vp, o: op, lse: lp }, &o_layout, num_m_blocks)?;
+    let mut counter = scheduler_counter(stream)?;
+    let (counter_ptr, _counter_sync) = counter.device_ptr_mut(stream);
     // TMA boxes: 64 columns (128 bytes, one swizzle row) by the tile's rows.
     let u = |x: usize| x as u64;
     let (rows, bc) = (i32_of("rows", br)? as u32, i32_of("keys a tile", variant.bc)? as u32);
@@ -856,6 +886,7 @@ fn forward_ws<T: CudaElement>(
         k: tensor_map_of("k", kp, elem, &[d, u(g.max_sk), u(g.hk), b], &bytes(&g.k), &[64, bc, 1, 1])?,
         v: tensor_map_of("v", vp, elem, &[d, u(g.max_sk), u(g.hk), b], &bytes(&g.v), &[64, bc, 1, 1])?,
         f: Fp8FwdParams { base, v_descale: 1.0 },
+        next_item: counter_ptr,
     };
     let cfg = LaunchConfig {
         grid_dim: (items.min(multiprocessors(dev)?) as u32, 1, 1),
@@ -1163,7 +1194,7 @@ mod tests {
         assert_eq!(p.scale_log2, 0.5 * std::f32::consts::LOG2_E);
         let g = Geometry::new(&AttentionSpec::new().causal_mode(Causal::TopLeft), &qt, &kt, &kt).expect("geometry");
         let p = FwdParams::of(&g, bufs, &o, 1).expect("params");
-        assert_eq!((p.causal, p.window_left, p.window_right, p.longest_first), (2, -1, -1, 1));
+        assert_eq!((p.causal, p.window_left, p.window_right, p.longest_first), (2, -1, -1, (b * hq) as i32));
         // Varlen: lse is [hq, tq].
         let (cu_q, cu_k) = ([0i32, 2, 5], [0i32, 3, 7]);
         let q = vec![(); 5 * hq * d];
@@ -1179,5 +1210,33 @@ mod tests {
         let o = RowLayout { batch_stride: 0, token_stride: hq * d, head_stride: d };
         let p = FwdParams::of(&g, bufs, &o, 1).expect("params");
         assert_eq!((p.lse_batch, p.lse_head, p.causal, p.longest_first), (0, 5, 0, 0));
+    }
+
+    #[test]
+    fn causal_chunks_hold_the_heads_whose_k_and_v_fit_the_budget() {
+        let chunk = |b: usize, sk: usize, hq: usize, hk: usize, d: usize| {
+            let q = vec![(); b * 4 * hq * d];
+            let kv = vec![(); b * sk * hk * d];
+            let g = Geometry::new(
+                &AttentionSpec::new().causal(),
+                &Tensor::new(&q, &[b, 4, hq, d]),
+                &Tensor::new(&kv, &[b, sk, hk, d]),
+                &Tensor::new(&kv, &[b, sk, hk, d]),
+            )
+            .expect("geometry");
+            causal_chunk_heads(&g)
+        };
+        // 16 MiB of K and V: 1k keys of d 128 take 512 KiB a head, so 32 heads of 16 x 16.
+        assert_eq!(chunk(16, 1024, 16, 16, 128), 32);
+        // GQA: the kv heads fit, the query heads sharing them come along (4 a kv head).
+        assert_eq!(chunk(16, 1024, 16, 4, 128), 128);
+        // All heads fit: one chunk (the order of all heads' longest first).
+        assert_eq!(chunk(2, 1024, 4, 4, 128), 8);
+        // One head past the budget: a chunk a head.
+        assert_eq!(chunk(1, 65_600, 2, 2, 64), 1);
+        // The GPU test `causal_launches_in_head_chunks_meet_the_contract`: two kv heads of 8.2 MB
+        // fit, so chunks of four query heads (GQA groups of 2), the last of six short.
+        assert_eq!(chunk(1, 16_000, 6, 3, 128), 4);
+        assert_eq!(chunk(1, 1 << 20, 4, 1, 256), 4);
     }
 }

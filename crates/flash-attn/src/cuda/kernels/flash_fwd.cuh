@@ -64,11 +64,33 @@ struct FwdParams {
     int num_m_blocks;               // ceil(longest sq / BR)
     int causal, window_left, window_right;
     float scale_log2;               // softmax scale · log2(e)
-    int longest_first;              // order blocks longest key range first (causal)
+    int longest_first;              // 0: head-major order; n > 0: causal order, chunks of n heads
     DropoutParams dropout;
     ScoreMod mod;
     BlockMask block;
 };
+
+// The query block and (sequence, head) of block or work item i. Without a causal rule
+// (longest_first = 0) the order is head-major: consecutive items share a head, whose K and V
+// stay in L2. Under one, later query blocks see more keys: the heads go in chunks of
+// longest_first (as many as the host counted K and V bytes to fit L2 together), and within a
+// chunk the query blocks that see the most keys come first, across the chunk's heads, so that a
+// launch ends on short items and its working set stays in L2 (all heads at once would stream
+// each key tile from memory once per query block).
+__device__ __forceinline__ void fwd_item(const FwdParams& p, int i, int& m_block, int& bh) {
+    if (p.longest_first > 0) {
+        const int heads = p.batch * p.hq;
+        const int per_chunk = p.longest_first * p.num_m_blocks;
+        const int chunk = i / per_chunk, r = i - chunk * per_chunk;
+        const int h0 = chunk * p.longest_first;
+        const int n = min(p.longest_first, heads - h0);  // the last chunk may be short
+        m_block = p.num_m_blocks - 1 - r / n;
+        bh = h0 + r % n;
+    } else {
+        m_block = i % p.num_m_blocks;
+        bh = i / p.num_m_blocks;
+    }
+}
 
 template <int D, int MT, int BC, int WARPS, bool BF16>
 struct FlashFwd {
@@ -267,18 +289,8 @@ struct FlashFwd {
 
     static __device__ __forceinline__ void run(const FwdParams& p, char* smem) {
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-        const int heads = p.batch * p.hq;
         int m_block, bh;
-        if (p.longest_first) {
-            // Later query tiles see more keys under a causal rule: start them first, across all
-            // heads, so the tail of the launch is short tiles.
-            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
-            bh = blockIdx.x % heads;
-        } else {
-            // Consecutive blocks share a head: its K and V stay in L2.
-            m_block = blockIdx.x % p.num_m_blocks;
-            bh = blockIdx.x / p.num_m_blocks;
-        }
+        fwd_item(p, (int)blockIdx.x, m_block, bh);
         const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
 
         int q_start = 0, k_start = 0, sq = p.sq, sk = p.sk;
@@ -465,15 +477,8 @@ struct FlashFwdSm90 {
 
     static __device__ __forceinline__ void run(const FwdParams& p, char* smem) {
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-        const int heads = p.batch * p.hq;
         int m_block, bh;
-        if (p.longest_first) {
-            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
-            bh = blockIdx.x % heads;
-        } else {
-            m_block = blockIdx.x % p.num_m_blocks;
-            bh = blockIdx.x / p.num_m_blocks;
-        }
+        fwd_item(p, (int)blockIdx.x, m_block, bh);
         const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
 
         int q_start = 0, k_start = 0, sq = p.sq, sk = p.sk;

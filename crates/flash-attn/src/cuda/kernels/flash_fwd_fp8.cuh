@@ -172,15 +172,8 @@ struct FlashFwdFp8Sm90 {
     static __device__ __forceinline__ void run(const Fp8FwdParams& pp, char* smem) {
         const FwdParams& p = pp.base;
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-        const int heads = p.batch * p.hq;
         int m_block, bh;
-        if (p.longest_first) {
-            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
-            bh = blockIdx.x % heads;
-        } else {
-            m_block = blockIdx.x % p.num_m_blocks;
-            bh = blockIdx.x / p.num_m_blocks;
-        }
+        fwd_item(p, (int)blockIdx.x, m_block, bh);
         const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
         const int sq = p.sq, sk = p.sk;
         const int row0 = m_block * BR;

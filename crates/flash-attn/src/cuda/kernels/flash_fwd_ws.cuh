@@ -17,6 +17,7 @@ struct alignas(128) WsParams {
     TmaDesc v;  // e4m3: the Vᵀ planes [planes][FA_D][sk_pad], boxes of BC keys x FA_D rows;
                 // 16-bit: V [b][sk][hk][d], boxes of 128 bytes x BC rows
     Fp8FwdParams f;
+    int* next_item;  // the tile scheduler's counter, zero at launch (16-bit kernels)
 };
 
 // The products of the warp-specialised kernel, by input type: e4m3 (FlashFwdFp8Sm90's: V read
@@ -81,14 +82,27 @@ struct FlashFwdWs {
     static constexpr int V_BYTES = BC * D * ESIZE;
     static constexpr int STAGES = K_BYTES <= 16384 ? 4 : 2;  // per ring
     // Two Q buffers, the K ring, the V ring, then the mbarriers (8 bytes each: Q full and empty,
-    // two each; K full and empty, V full and empty, STAGES each).
+    // two each; K full and empty, V full and empty, STAGES each), then each Q buffer's item index.
     static constexpr int K_RING = 2 * Q_BYTES, V_RING = K_RING + STAGES * K_BYTES;
     static constexpr int BAR_OFFSET = V_RING + STAGES * V_BYTES;
-    static constexpr int SMEM_BYTES = BAR_OFFSET + 8 * (4 + 4 * STAGES);
+    static constexpr int ITEM_OFFSET = BAR_OFFSET + 8 * (4 + 4 * STAGES);
+    static constexpr int SMEM_BYTES = ITEM_OFFSET + 8;
     static_assert(SMEM_BYTES + 1024 <= 232448, "shared memory of one block a multiprocessor");
     // S of the next tile and P·V of the previous one in flight together needs the score,
     // probability and output registers at once: at D = 256 the output alone takes 128.
     static constexpr bool OVERLAP = D <= 128;
+    // Whether blocks take items from the tile scheduler (an atomic counter) rather than every
+    // gridDim.x-th: the 16-bit kernels. (The FP8 kernel keeps the fixed stride: with the
+    // scheduler its first build measured slower, not examined yet; docs/cuda-notes.md.)
+    static constexpr bool SCHEDULED = !E4M3;
+    // Registers a thread after setmaxnreg. The block holds 384 · 168 (ptxas's count under
+    // __launch_bounds__(384, 1)); the consumers' increase waits for registers the producer gave
+    // back, so the two must add up to no more (or the increase waits forever). The producer's
+    // scheduler loop spills in 24.
+    static constexpr int PRODUCER_REGS = SCHEDULED ? 40 : 24;
+    static constexpr int CONSUMER_REGS = (384 * 168 - 128 * PRODUCER_REGS) / 256;
+    static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
+    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the block's registers");
     // Named barriers 1 and 2 pass the turn to issue products between the consumer warpgroups.
     static constexpr int BAR_TURN = 1;
 
@@ -97,17 +111,8 @@ struct FlashFwdWs {
         int b, h, hk, row0, rows_valid, n_end, tiles;
     };
     static __device__ __forceinline__ Item item_at(const FwdParams& p, const Visibility& vis0, int i) {
-        const int heads = p.batch * p.hq;
         int m_block, bh;
-        if (p.longest_first) {
-            // Later query blocks see more keys under a causal rule: all heads' longest first, so
-            // the grid's last items are short.
-            m_block = p.num_m_blocks - 1 - i / heads;
-            bh = i % heads;
-        } else {
-            m_block = i % p.num_m_blocks;  // consecutive items share a head: its K and V stay in L2
-            bh = i / p.num_m_blocks;
-        }
+        fwd_item(p, i, m_block, bh);
         Item it;
         it.b = bh / p.hq;
         it.h = bh % p.hq;
@@ -122,9 +127,15 @@ struct FlashFwdWs {
         return it;
     }
 
-    // A persistent grid (one block a multiprocessor) walks the items blockIdx.x, + gridDim.x, ...:
-    // the producer loads the next item's Q (two Q buffers, each with a "full" and an "empty"
-    // mbarrier) and first tiles while the consumers finish the current one.
+    // A persistent grid (one block a multiprocessor) takes the items in order: block x first item
+    // x, then (SCHEDULED) whichever comes next when it asks, from an atomic counter (the tile
+    // scheduler), so that a block which drew short items takes more of them and the grid ends
+    // together; else item x + gridDim.x, and so on. The producer loads the next item's Q (two Q
+    // buffers, each with a "full" and an "empty" mbarrier) and first tiles while the consumers
+    // finish the current one. With the scheduler it leaves the item's index beside its Q buffer,
+    // written before the "full" arrival, which releases it to the consumers' wait (they read it
+    // before their "empty" arrivals, which the producer waits for before it writes there again);
+    // an index past the last item, with a bare arrival, tells the consumers to stop.
     static __device__ __forceinline__ void run(const WsParams& pp, char* smem) {
         const FwdParams& p = pp.f.base;
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -135,6 +146,7 @@ struct FlashFwdWs {
         const u32 bar_q_full = sQ + BAR_OFFSET, bar_q_empty = bar_q_full + 16;
         const u32 bar_k_full = bar_q_empty + 16, bar_k_empty = bar_k_full + 8 * STAGES;
         const u32 bar_v_full = bar_k_empty + 8 * STAGES, bar_v_empty = bar_v_full + 8 * STAGES;
+        const u32 item_of_q = sQ + ITEM_OFFSET;  // int[2]: each Q buffer's item
         if (tid == 0) {
             for (int qb = 0; qb < 2; ++qb) {
                 mbar_init(bar_q_full + 8 * qb, 1);
@@ -152,14 +164,23 @@ struct FlashFwdWs {
 
         if (warp >= CONSUMERS / 32) {
             // The producer warpgroup: one thread issues every copy, the rest leave.
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
             if (tid == CONSUMERS) {
-                int it = 0, qi = 0;  // tiles and items so far: ring and Q-buffer phases
-                for (int i = blockIdx.x; i < items; i += gridDim.x, ++qi) {
-                    const Item w = item_at(p, vis, i);
+                int it = 0;  // tiles so far: the rings' phases
+                for (int i = blockIdx.x, qi = 0;; ++qi) {  // qi: items so far, the Q buffers' phases
                     const int qb = qi & 1;
+                    if constexpr (!SCHEDULED)
+                        if (i >= items) break;
                     if (qi >= 2) mbar_wait(bar_q_empty + 8 * qb, (u32)((qi / 2 - 1) & 1));
                     const u32 q_full = bar_q_full + 8 * qb, sQb = sQ + (u32)(qb * Q_BYTES);
+                    if constexpr (SCHEDULED) {
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(item_of_q + 4 * qb), "r"(i) : "memory");
+                        if (i >= items) {
+                            mbar_arrive(q_full);
+                            break;
+                        }
+                    }
+                    const Item w = item_at(p, vis, i);
                     mbar_expect_tx(q_full, Q_BYTES);
 #pragma unroll
                     for (int c = 0; c < ROW_BLOCKS; ++c)
@@ -186,11 +207,15 @@ struct FlashFwdWs {
                                             v_full);
                         }
                     }
+                    // The next item, asked for once this one's loads are issued (the producer runs
+                    // a ring ahead of the consumers, so the atomic's round trip is hidden; asked
+                    // earlier, its result would be one register more than the producer's 24).
+                    i = (SCHEDULED ? atomicAdd(pp.next_item, 1) : i) + (int)gridDim.x;
                 }
             }
             return;
         }
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 
         // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item.
         const int wg = warp / 4, warp_row = warp * 16;
@@ -211,9 +236,23 @@ struct FlashFwdWs {
             if (lane == 0) mbar_arrive(bar_v_empty + 8 * (it % STAGES));
         };
 
-        int it = 0, qi = 0;
-        for (int i = blockIdx.x; i < items; i += gridDim.x, ++qi) {
+        int it = 0;
+        for (int qi = 0;; ++qi) {
             const int qb = qi & 1;
+            // The item's index: from the scheduler, beside its Q buffer until the buffer goes back
+            // to the producer (read again where needed rather than kept live through the loop);
+            // else from the stride.
+            auto item_index = [&]() {
+                int i;
+                if constexpr (SCHEDULED)
+                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(i) : "r"(item_of_q + 4 * qb) : "memory");
+                else
+                    i = (int)opaque(blockIdx.x + (u32)qi * gridDim.x);
+                return i;
+            };
+            if constexpr (SCHEDULED) mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
+            if (item_index() >= items) break;
+            if constexpr (!SCHEDULED) mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
             const u32 sQb = sQ + (u32)(qb * Q_BYTES), sQw = sQb + (u32)(wg * 64 * 128);
             FragC o[1][DT];
 #pragma unroll
@@ -223,7 +262,7 @@ struct FlashFwdWs {
             float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
             int tiles, n_end, row0, rows_valid;
             {
-                const Item w = item_at(p, vis, i);
+                const Item w = item_at(p, vis, item_index());
                 tiles = w.tiles;
                 n_end = w.n_end;
                 row0 = w.row0;
@@ -234,7 +273,6 @@ struct FlashFwdWs {
                     Base::apply_mask(s, vis, nullptr, p.block, row0 + warp_row, col0, lane);
                 ws_softmax_tile(s, row_max, row_sum, scale_log2, correction);
             };
-            mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
 
             if (tiles > 0 && !OVERLAP) {
                 // S, then P·V, one after the other (S issued in this warpgroup's turn).
@@ -316,7 +354,7 @@ struct FlashFwdWs {
             ws_finish(o, row_max, row_sum, scale_log2, pp.f.v_descale, lse);
             // The item's place, recomputed rather than kept live through the loop (at D = 256 the
             // registers are all taken by then).
-            const Item w = item_at(p, vis, (int)opaque((u32)i));
+            const Item w = item_at(p, vis, item_index());
             const int g = lane >> 2, t = lane & 3;
             u16* gO = p.o + w.b * p.o_batch + (long long)(w.row0 + warp_row) * p.o_row + w.h * p.o_head;
             float* gL = p.lse + w.b * p.lse_batch + w.h * p.lse_head + w.row0 + warp_row;
