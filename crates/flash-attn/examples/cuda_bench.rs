@@ -134,8 +134,20 @@ fn check(cases: usize, seed: u64) -> Result<()> {
 
 /// One forward case against the oracle on `variant` (`None`: the default).
 fn run_case<T: cuda::CudaElement>(case: &Case, variant: Option<Variant>) -> Result<flash_attn::check::CaseReport> {
+    run_case_with_dropout::<T>(case, None, variant)
+}
+
+/// [`run_case`] with dropout `(p, seed, offset)` if given.
+fn run_case_with_dropout<T: cuda::CudaElement>(
+    case: &Case,
+    dropout: Option<(f32, u64, u32)>,
+    variant: Option<Variant>,
+) -> Result<flash_attn::check::CaseReport> {
     let data: CaseData<T> = case.data::<T>();
-    let spec = case.spec(&data);
+    let mut spec = case.spec(&data);
+    if let Some((p, seed, offset)) = dropout {
+        spec = spec.dropout(p, seed, offset);
+    }
     let [q, k, v] = data.views();
     let ours = cuda::forward_host_variant(&spec, &q, &k, &v, variant)?;
     let oracle = reference::forward(&spec, &q, &k, &v)?;
@@ -282,9 +294,11 @@ fn sanitize_variants(rng: &mut Rng, arch: &Arch, pattern: &str) -> Result<()> {
             (c.hq, c.hk) = (16, 4);
         }
         use_paths(&mut c, variant.extras);
+        // Dropout on where the variant holds it.
+        let dropout = variant.extras.dropout.then_some((0.2, 0x5eed + i as u64, 3));
         let rep = match variant.dtype {
-            DType::F16 => run_case::<f16>(&c, Some(variant))?,
-            _ => run_case::<bf16>(&c, Some(variant))?,
+            DType::F16 => run_case_with_dropout::<f16>(&c, dropout, Some(variant))?,
+            _ => run_case_with_dropout::<bf16>(&c, dropout, Some(variant))?,
         };
         println!("sanitize variant {i} {}: {c}: {}", variant.name(), if rep.passed() { "pass" } else { "FAIL" });
     }
@@ -345,6 +359,8 @@ fn bench(args: &[String]) -> Result<()> {
                 Variant::all()
                     .into_iter()
                     .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch) && (which == "all" || v.wgmma))
+                    // Only the variants holding the paths the options use (--dropout, --softcap).
+                    .filter(|v| v.extras.covers(extras.paths()))
                     .map(Some)
                     .collect()
             } else {

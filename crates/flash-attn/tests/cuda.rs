@@ -717,6 +717,72 @@ fn fp8_forward_options_it_lacks_are_typed_errors() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn warp_specialised_dropout_and_softcap_meet_the_contract() {
+    // The warp-specialised variants with dropout alone and softcap alone (asked for by name):
+    // random fixed-length problems (GQA, both causal rules, windows, strided inputs, one with
+    // more work items than multiprocessors) against the oracle, which draws the same keep mask
+    // (a wrong mask is far outside the contract); ALiBi or block masks on them are typed errors.
+    let dev = cuda::default_device().expect("a CUDA device");
+    if !dev.arch().has_wgmma() {
+        return;
+    }
+    let mut rng = Rng::new(0x5eed_0006);
+    for dtype in [DType::BF16, DType::F16] {
+        for d in cuda::WS_HEAD_DIMS {
+            for extras in cuda::WS_EXTRAS {
+                let variant = Variant::hopper_ws_extras_for(dtype, d, extras).expect("a ws variant");
+                for n in 0..5 {
+                    let mut c = random_cuda_case(&mut rng);
+                    (c.dtype, c.d, c.dv) = (dtype, if n % 2 == 0 { d } else { d - 8 * rng.range(1, 3) }, 0);
+                    c.dv = c.d;
+                    c.retain_paths(extras.softcap, false, false);
+                    if extras.softcap {
+                        c.softcap = Some(rng.range(5, 50) as f32);
+                    }
+                    (c.varlen, c.scale) = (false, None);
+                    let (sq, sk) = if n == 4 { (600, 500) } else { c.seqlens[0] };
+                    c.seqlens = vec![(sq, sk.max(1)); if n == 4 { 3 } else { c.seqlens.len() }];
+                    if n == 4 {
+                        (c.hq, c.hk) = (16, 8);
+                    }
+                    let dropout = extras.dropout.then(|| (rng.pick(&[0.1f32, 0.3, 0.5]), rng.next_u64(), n as u32));
+                    match dtype {
+                        DType::F16 => dropout_case::<f16>(&c, dropout, variant),
+                        _ => dropout_case::<bf16>(&c, dropout, variant),
+                    }
+                }
+                // ALiBi is not a path these variants hold.
+                if dtype == DType::BF16 {
+                    let mut c = random_cuda_case(&mut rng);
+                    (c.dtype, c.d, c.dv, c.varlen, c.alibi, c.block) = (dtype, d, d, false, Some(false), None);
+                    c.seqlens = vec![(40, 50); 2];
+                    let data = c.data::<bf16>();
+                    let [q, k, v] = data.views();
+                    let r = cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ());
+                    assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
+                }
+            }
+        }
+    }
+}
+
+/// One forward case on `variant` against the oracle, with dropout `(p, seed, offset)` if given.
+fn dropout_case<T: cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>, variant: Variant) {
+    let data = c.data::<T>();
+    let mut spec = c.spec(&data);
+    if let Some((p, seed, offset)) = dropout {
+        spec = spec.dropout(p, seed, offset);
+    }
+    let [q, k, v] = data.views();
+    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, Some(variant)).expect("cuda forward");
+    let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
+    let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
+    let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
+    assert!(rep.passed(), "{} on {c} with dropout {dropout:?}: {rep}", variant.name());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
 fn causal_launches_in_head_chunks_meet_the_contract() {
     // Under a causal rule the forward orders its work items in chunks of heads whose K and V fit
     // L2 together (`causal_chunk_heads` in cuda/launch.rs): at 16 000 keys of d 128 a kv head's K

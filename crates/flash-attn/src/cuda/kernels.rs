@@ -162,6 +162,13 @@ pub const HOPPER_HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
 /// Tile widths the warp-specialised 16-bit Hopper forward is compiled for ([`Variant::ws`]).
 pub const WS_HEAD_DIMS: [usize; 2] = [64, 128];
 
+/// The optional-path sets the warp-specialised forward is compiled with besides none: dropout
+/// alone and softcap alone.
+pub const WS_EXTRAS: [ExtraPaths; 2] = [
+    ExtraPaths { dropout: true, softcap: false, blocks: false, alibi: false },
+    ExtraPaths { dropout: false, softcap: true, blocks: false, alibi: false },
+];
+
 /// Tile widths the backward kernels are compiled for. A warp's dK and dV rows live in registers;
 /// at 256 two warps (on Hopper two warpgroups) share the same keys, each holding half the
 /// columns ([`BwdVariant::split`]).
@@ -317,6 +324,16 @@ impl Variant {
         Some(Variant { dtype, d, mt: 1, bc: 128, warps: 8, extras: ExtraPaths::NONE, wgmma: true, ws: true })
     }
 
+    /// The warp-specialised Hopper variant holding the optional paths `extras`, where it has
+    /// them: dropout alone or softcap alone ([`WS_EXTRAS`]). Not yet chosen by default: these
+    /// variants run only when asked for by name (docs/cuda-notes.md).
+    pub fn hopper_ws_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<Variant> {
+        if !WS_EXTRAS.contains(&extras) {
+            return None;
+        }
+        Variant::hopper_ws_for(dtype, d).map(|v| Variant { extras, ..v })
+    }
+
     /// The variant used on `arch` for `dtype` and tile width `d` (one of [`HEAD_DIMS`], or on
     /// sm_90a of [`HOPPER_HEAD_DIMS`]: [`tile_width`]): the Hopper kernel where the target has
     /// warpgroup MMAs ([`Variant::hopper_for`]), else [`Variant::default_for`].
@@ -423,6 +440,7 @@ impl Variant {
                         v.push(Variant { bc: 192 - h.bc, ..h });
                     }
                     v.extend(Variant::hopper_ws_for(dtype, d));
+                    v.extend(WS_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)));
                 }
             }
         }

@@ -873,7 +873,11 @@ fn forward_ws<T: CudaElement>(
     check_alignment("k", kp, &g.k, elem)?;
     check_alignment("v", vp, &g.v, elem)?;
     check_alignment("out", op, &o_layout, elem)?;
-    let base = FwdParams::of(g, FwdBuffers { q: qp, k: kp, v: vp, o: op, lse: lp }, &o_layout, num_m_blocks)?;
+    let base = FwdParams {
+        // Softcap where the variant holds it (check_extras refused ALiBi and block masks).
+        score_mod: ScoreMod::new(0, g.softcap, g.scale),
+        ..FwdParams::of(g, FwdBuffers { q: qp, k: kp, v: vp, o: op, lse: lp }, &o_layout, num_m_blocks)?
+    };
     let mut counter = scheduler_counter(stream)?;
     let (counter_ptr, _counter_sync) = counter.device_ptr_mut(stream);
     // TMA boxes: 64 columns (128 bytes, one swizzle row) by the tile's rows.

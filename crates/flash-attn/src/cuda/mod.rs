@@ -50,7 +50,7 @@ use crate::{Gradients, Output};
 
 pub use kernels::{
     padded_head_dim, tile_width, BwdVariant, ExtraPaths, Fp8Variant, Variant, BWD_HEAD_DIMS, FP8_HEAD_DIMS, HEAD_DIMS,
-    HOPPER_HEAD_DIMS, WS_HEAD_DIMS,
+    HOPPER_HEAD_DIMS, WS_EXTRAS, WS_HEAD_DIMS,
 };
 pub use nvrtc::Arch;
 

@@ -98,8 +98,9 @@ struct FlashFwdWs {
     // Registers a thread after setmaxnreg. The block holds 384 · 168 (ptxas's count under
     // __launch_bounds__(384, 1)); the consumers' increase waits for registers the producer gave
     // back, so the two must add up to no more (or the increase waits forever). The producer's
-    // scheduler loop spills in 24.
-    static constexpr int PRODUCER_REGS = SCHEDULED ? 40 : 24;
+    // scheduler loop spills a few bytes in 24, the consumers' loop with softcap at D = 128 32
+    // bytes in 232: a producer's spill (one thread, once an item) is the cheaper.
+    static constexpr int PRODUCER_REGS = SCHEDULED && !(FA_SOFTCAP && D == 128) ? 40 : 24;
     static constexpr int CONSUMER_REGS = (384 * 168 - 128 * PRODUCER_REGS) / 256;
     static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
     static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the block's registers");
@@ -219,7 +220,11 @@ struct FlashFwdWs {
 
         // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item.
         const int wg = warp / 4, warp_row = warp * 16;
-        const float scale_log2 = p.scale_log2;
+        // Optional paths of the 16-bit kernels (FA_EXTRAS: dropout, softcap). With softcap the
+        // scores reach the softmax already in exp2 units (ScoreMod::softcap_log2 holds the scale).
+        const bool capped = FA_SOFTCAP && !E4M3 && p.mod.softcap > 0.f;
+        const bool drop = FA_DROPOUT && !E4M3 && p.dropout.enabled;
+        const float scale_log2 = capped ? 1.f : p.scale_log2;
         // Turns: warpgroup 0 issues first; each passes the turn after issuing its products.
         const int my_turn = BAR_TURN + wg, their_turn = BAR_TURN + (1 - wg);
         if (wg == 1) named_arrive(BAR_TURN, CONSUMERS);
@@ -260,18 +265,41 @@ struct FlashFwdWs {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
             float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
-            int tiles, n_end, row0, rows_valid;
+            int tiles, n_end, row0, rows_valid, bh;
             {
                 const Item w = item_at(p, vis, item_index());
                 tiles = w.tiles;
                 n_end = w.n_end;
                 row0 = w.row0;
                 rows_valid = w.rows_valid;
+                bh = w.b * p.hq + w.h;  // dropout's stream
             }
+            // Scores of the tile at col0 to probabilities (softcap first, then the mask: a hidden
+            // score must end -inf), with `correction` for O.
             auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[2]) {
+                if constexpr (FA_SOFTCAP && !E4M3) {
+                    if (capped) {
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) s[0][nt].x[e] = p.mod.softcap_log2(s[0][nt].x[e]);
+                    }
+                }
                 if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
                     Base::apply_mask(s, vis, nullptr, p.block, row0 + warp_row, col0, lane);
                 ws_softmax_tile(s, row_max, row_sum, scale_log2, correction);
+            };
+            // P of the tile at col0 as A operands of P·V, with dropout's keep mask on (after the
+            // row sums took the undropped P; 1 / (1 - p) is applied to O at the end).
+            auto pack = [&](FragA (&pa)[PA], const FragC (&s)[1][NT], int col0) {
+                Mma::pack_p(pa, s);
+                if constexpr (FA_DROPOUT && !E4M3) {
+                    if (drop) {
+#pragma unroll
+                        for (int kb = 0; kb < BC / 32; ++kb)
+                            Base::drop_block(pa + 2 * kb, p.dropout, (u32)bh, row0 + warp_row, col0 + 32 * kb, lane);
+                    }
+                }
             };
 
             if (tiles > 0 && !OVERLAP) {
@@ -290,7 +318,7 @@ struct FlashFwdWs {
                     probabilities(s, (n_end - 1 - j) * BC, correction);
                     float corr[1][2] = {{correction[0], correction[1]}};
                     OnlineSoftmax<1>::rescale(o, corr);
-                    Mma::pack_p(pa, s);
+                    pack(pa, s, (n_end - 1 - j) * BC);
                     wait_v(it);
                     Mma::issue_pv(o, pa, v_at(it));
                     wgmma_wait<0>();
@@ -314,7 +342,7 @@ struct FlashFwdWs {
                     free_k(it);
                     float correction[2];
                     probabilities(s, (n_end - 1) * BC, correction);
-                    Mma::pack_p(pa, s);
+                    pack(pa, s, (n_end - 1) * BC);
                     ++it;
                 }
                 for (int j = 1; j < tiles; ++j, ++it) {
@@ -335,7 +363,7 @@ struct FlashFwdWs {
                     free_v(it - 1);
                     float corr[1][2] = {{correction[0], correction[1]}};
                     OnlineSoftmax<1>::rescale(o, corr);
-                    Mma::pack_p(pa, s);
+                    pack(pa, s, (n_end - 1 - j) * BC);
                 }
                 wait_v(it - 1);
                 named_sync(my_turn, CONSUMERS);
@@ -351,7 +379,7 @@ struct FlashFwdWs {
             // warpgroup's products completed), 64 columns at a time: no other warp reads or writes
             // them, so no block-wide barrier; then the buffer goes back to the producer.
             float lse[2];
-            ws_finish(o, row_max, row_sum, scale_log2, pp.f.v_descale, lse);
+            ws_finish(o, row_max, row_sum, scale_log2, drop ? pp.f.v_descale * p.dropout.scale : pp.f.v_descale, lse);
             // The item's place, recomputed rather than kept live through the loop (at D = 256 the
             // registers are all taken by then).
             const Item w = item_at(p, vis, item_index());
