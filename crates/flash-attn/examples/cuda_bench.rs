@@ -14,6 +14,9 @@
 //! cuda_bench bench-fp8 [--d 128] [--seqs ..] [--causal both] [--reps N]
 //!                                          the FP8 (e4m3) forward (both kernels) and the bf16
 //!                                          forward on the same shapes, one after another per rep
+//! cuda_bench racecheck-probe               three hand-offs of a value through shared memory
+//!                                          (an mbarrier, none, __syncthreads), for
+//!                                          `compute-sanitizer --tool racecheck` (sm_90)
 //! ```
 //! Benchmark lines are JSON in BENCH.md's contract (`device, dtype, b, hq, hk, sq, sk, d, causal,
 //! fwd_ms`) plus `tflops`, `variant`, `dropout` and `softcap` (null when off); times are medians
@@ -39,6 +42,7 @@ fn main() {
         "bench" => bench(&args[1..]),
         "sanitize" => sanitize(args.get(1).map(String::as_str)),
         "bench-fp8" => bench_fp8(&args[1..]),
+        "racecheck-probe" => racecheck_probe(),
         other => {
             eprintln!("unknown command `{other}`");
             std::process::exit(2);
@@ -717,6 +721,79 @@ fn bench_fp8(args: &[String]) -> Result<()> {
                 );
             }
         }
+    }
+    Ok(())
+}
+
+/// The probe of `racecheck-probe`: thread 0 hands four values to thread 32 through one shared
+/// word, each ordered by `mode`: 0, an mbarrier pair ("full": st.shared then arrive with release
+/// semantics, try_wait.parity with acquire; "empty" back), as the warp-specialised forward hands
+/// its item index; 1, nothing (a race racecheck must report); 2, __syncthreads (a control it must
+/// not). The consumer writes what it read to `out[4 · mode + round]`.
+const RACECHECK_PROBE: &str = r#"
+typedef unsigned int u32;
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+extern "C" __global__ void racecheck_probe(int mode, int* out) {
+    __shared__ __align__(8) unsigned long long bars[2];
+    __shared__ int slot;
+    const int t = threadIdx.x;
+    const u32 full = smem_addr(&bars[0]), empty = smem_addr(&bars[1]);
+    if (t == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(empty));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        slot = -1;
+    }
+    __syncthreads();
+    for (int r = 0; r < 4; ++r) {
+        if (mode == 2) __syncthreads();
+        if (t == 0) {
+            if (mode == 0 && r > 0) mbar_wait(empty, (u32)((r - 1) & 1));
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr(&slot)), "r"(100 + r) : "memory");
+            if (mode == 0) mbar_arrive(full);
+        }
+        if (mode == 2) __syncthreads();
+        if (t == 32) {
+            if (mode == 0) mbar_wait(full, (u32)(r & 1));
+            int v;
+            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(&slot)) : "memory");
+            out[4 * mode + r] = v;
+            if (mode == 0) mbar_arrive(empty);
+        }
+    }
+}
+"#;
+
+/// Runs the racecheck probe's three modes and prints what the consumer read (mode 0 and 2 must
+/// read 100..103 in order; mode 1 may read anything).
+fn racecheck_probe() -> Result<()> {
+    use cudarc::driver::PushKernelArg;
+    let dev = cuda::default_device()?;
+    let de = |e| flash_attn::Error::CudaLaunch(format!("{e:?}"));
+    let compiled = cuda::nvrtc::compile("racecheck_probe", RACECHECK_PROBE, &["--std=c++17".into()], dev.arch())?;
+    let module = dev.context().load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin)).map_err(de)?;
+    let f = module.load_function("racecheck_probe").map_err(de)?;
+    let stream = dev.stream();
+    let mut out = stream.alloc_zeros::<i32>(12).map_err(de)?;
+    for mode in 0..3i32 {
+        let cfg = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (64, 1, 1), shared_mem_bytes: 0 };
+        let mut builder = stream.launch_builder(&f);
+        builder.arg(&mode);
+        builder.arg(&mut out);
+        // SAFETY: the kernel takes (int, int*) and writes out[4 · mode .. 4 · mode + 4], inside
+        // the 12 allocated above.
+        unsafe { builder.launch(cfg) }.map_err(de)?;
+    }
+    let host = stream.clone_dtoh(&out).map_err(de)?;
+    for (mode, name) in ["mbarrier", "none", "__syncthreads"].iter().enumerate() {
+        println!("racecheck-probe mode {mode} ({name}): read {:?}", &host[4 * mode..4 * mode + 4]);
     }
     Ok(())
 }
