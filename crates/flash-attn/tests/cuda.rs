@@ -237,9 +237,10 @@ fn every_forward_variant_on_the_device_meets_the_contract() {
             c.dv = c.d;
             use_paths(&mut c, variant.extras, n, &mut rng);
             if variant.ws {
-                // The warp-specialised kernel takes fixed-length batches only.
+                // The warp-specialised kernel takes fixed-length batches with keys only.
                 c.varlen = false;
-                c.seqlens = vec![c.seqlens[0]; c.seqlens.len()];
+                let (sq, sk) = c.seqlens[0];
+                c.seqlens = vec![(sq, sk.max(1)); c.seqlens.len()];
             }
             match variant.dtype {
                 DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
@@ -737,7 +738,8 @@ fn warp_specialised_dropout_and_softcap_meet_the_contract() {
                     c.dv = c.d;
                     c.retain_paths(extras.softcap, false, false);
                     if extras.softcap {
-                        c.softcap = Some(rng.range(5, 50) as f32);
+                        // Caps near the scores' size (about 1 here), where tanh bends them.
+                        c.softcap = Some(rng.range(1, 8) as f32 * 0.5);
                     }
                     (c.varlen, c.scale) = (false, None);
                     let (sq, sk) = if n == 4 { (600, 500) } else { c.seqlens[0] };
@@ -755,11 +757,12 @@ fn warp_specialised_dropout_and_softcap_meet_the_contract() {
                 if dtype == DType::BF16 {
                     let mut c = random_cuda_case(&mut rng);
                     (c.dtype, c.d, c.dv, c.varlen, c.alibi, c.block) = (dtype, d, d, false, Some(false), None);
+                    (c.softcap, c.scale) = (extras.softcap.then_some(3.0), None);
                     c.seqlens = vec![(40, 50); 2];
                     let data = c.data::<bf16>();
                     let [q, k, v] = data.views();
                     let r = cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ());
-                    assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
+                    assert!(matches!(&r, Err(Error::Unsupported(m)) if m.contains("optional paths")), "{r:?}");
                 }
             }
         }
@@ -788,9 +791,10 @@ fn causal_launches_in_head_chunks_meet_the_contract() {
     // L2 together (`causal_chunk_heads` in cuda/launch.rs): at 16 000 keys of d 128 a kv head's K
     // and V take 8.2 MB, so two kv heads (four query heads of GQA groups of 2) make a chunk and
     // the six heads here go in a chunk of four and a short one of two (a unit test there checks
-    // the count). Both causal rules, on the default variant (the warp-specialised kernel and its
-    // tile scheduler on sm_90a), the pre-Hopper kernel and, on sm_90a, the Hopper one without
-    // warp specialisation; the oracle computed once a rule.
+    // the count). Both causal rules, on the default variant (the warp-specialised kernel on
+    // sm_90a: 12 items, fewer than its blocks, so the order is tested here and the scheduler's
+    // hand-out in `warp_specialised_...` tests), the pre-Hopper kernel and, on sm_90a, the Hopper
+    // one without warp specialisation; the oracle computed once a rule.
     let dev = cuda::default_device().expect("a CUDA device");
     let mut rng = Rng::new(0xc4a2);
     for causal in [Causal::BottomRight, Causal::TopLeft] {

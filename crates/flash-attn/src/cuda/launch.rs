@@ -836,7 +836,8 @@ fn multiprocessors(dev: &Device) -> Result<usize> {
 }
 
 /// The warp-specialised 16-bit forward ([`Variant::ws`]): TMA descriptors of q, k and v, the
-/// parameter block, a persistent grid. Fixed-length batches without optional paths.
+/// parameter block, the tile scheduler's counter, a persistent grid. Fixed-length batches with
+/// keys and a positive scale, with the optional paths the variant holds (dropout or softcap).
 #[allow(clippy::too_many_arguments)]
 fn forward_ws<T: CudaElement>(
     dev: &Device,

@@ -244,6 +244,9 @@ impl Device {
         let module = self.load_module(&variant.name(), &source, &variant.options())?;
         let f = module.load_function(variant.entry()).map_err(|e| driver_error("cuModuleGetFunction", e))?;
         allow_dynamic_smem(&f, variant.smem_bytes())?;
+        if variant.ws {
+            check_ws_registers(&f, &variant.name())?;
+        }
         map.insert(*variant, f.clone());
         Ok(f)
     }
@@ -259,6 +262,9 @@ impl Device {
         let load = |name: &str| module.load_function(name).map_err(|e| driver_error("cuModuleGetFunction", e));
         let f = launch::Fp8Functions { forward: load(variant.entry())?, transpose_v: load("fp8_transpose_v")? };
         allow_dynamic_smem(&f.forward, variant.smem_bytes())?;
+        if variant.ws {
+            check_ws_registers(&f.forward, &variant.name())?;
+        }
         map.insert(*variant, f.clone());
         Ok(f)
     }
@@ -611,6 +617,23 @@ impl Device {
 }
 
 /// Lets `f` launch with `bytes` of dynamic shared memory (above the 48 KiB default).
+/// The registers a thread of the warp-specialised kernels starts with: its setmaxnreg split
+/// (`PRODUCER_REGS`, `CONSUMER_REGS` in `flash_fwd_ws.cuh`) hands out exactly 384 · 168, and
+/// the consumers' increase waits for registers the producer returned, so a build with fewer would
+/// hang, not fail.
+const WS_REGISTERS: i32 = 168;
+
+/// Refuses a warp-specialised kernel that ptxas gave other than [`WS_REGISTERS`] registers.
+fn check_ws_registers(f: &CudaFunction, name: &str) -> Result<()> {
+    let regs = f.num_regs().map_err(|e| driver_error("cuFuncGetAttribute(registers)", e))?;
+    if regs != WS_REGISTERS {
+        return Err(Error::CudaLaunch(format!(
+            "{name} was compiled to {regs} registers a thread; its register split needs {WS_REGISTERS}"
+        )));
+    }
+    Ok(())
+}
+
 fn allow_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
     f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
         .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))
