@@ -130,7 +130,9 @@ impl FwdParams {
             window_left,
             window_right,
             scale_log2: g.scale * std::f32::consts::LOG2_E,
-            longest_first: if g.causal == Causal::None { 0 } else { causal_chunk_heads(g) },
+            // Causal: all heads' longest query blocks first (the warp-specialised launcher orders
+            // in L2-sized chunks of heads instead).
+            longest_first: if g.causal == Causal::None { 0 } else { i32_of("heads", g.seqs.len() * g.hq)? },
             dropout: DropoutParams::of(g),
             score_mod: ScoreMod::new(0, None, g.scale),
             block: BlockMaskParams::default(),
@@ -777,10 +779,9 @@ pub(crate) fn forward_fp8(
         v_batch: (g.hk * plane) as i64,
         v_row: keys as i64,
         v_head: plane as i64,
+        // All heads' longest query blocks first under a causal rule (FwdParams::of): L2-sized head
+        // chunks on the FP8 kernels' fixed stride were slower at 16k keys.
         scale_log2: fp8_scale_log2(g, scales),
-        // Causal: all heads' longest query blocks first, the order the FP8 kernels were measured
-        // in (L2-sized head chunks on their fixed stride were slower at 16k keys).
-        longest_first: if g.causal == Causal::None { 0 } else { i32_of("heads", heads)? },
         ..FwdParams::of(g, bufs, &o_layout, num_m_blocks)?
     };
     let params = Fp8FwdParams { base, v_descale: scales.v };
@@ -877,6 +878,9 @@ fn forward_ws<T: CudaElement>(
     let base = FwdParams {
         // Softcap where the variant holds it (check_extras refused ALiBi and block masks).
         score_mod: ScoreMod::new(0, g.softcap, g.scale),
+        // Causal: L2-sized chunks of heads, longest query blocks first within each (fwd_item),
+        // which the tile scheduler balances.
+        longest_first: if g.causal == Causal::None { 0 } else { causal_chunk_heads(g) },
         ..FwdParams::of(g, FwdBuffers { q: qp, k: kp, v: vp, o: op, lse: lp }, &o_layout, num_m_blocks)?
     };
     let mut counter = scheduler_counter(stream)?;

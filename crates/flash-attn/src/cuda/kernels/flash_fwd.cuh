@@ -64,13 +64,14 @@ struct FwdParams {
     int num_m_blocks;               // ceil(longest sq / BR)
     int causal, window_left, window_right;
     float scale_log2;               // softmax scale · log2(e)
-    int longest_first;              // 0: head-major order; n > 0: causal order, chunks of n heads
+    int longest_first;              // 0: head-major; n > 0: causal, chunks of n heads (fwd_item)
     DropoutParams dropout;
     ScoreMod mod;
     BlockMask block;
 };
 
-// The query block and (sequence, head) of block or work item i. Without a causal rule
+// The query block and (sequence, head) of work item i of the warp-specialised and FP8 kernels
+// (the others take longest_first as a flag, all heads at once). Without a causal rule
 // (longest_first = 0) the order is head-major: consecutive items share a head, whose K and V
 // stay in L2. Under one, later query blocks see more keys: the heads go in chunks of
 // longest_first (as many as the host counted K and V bytes to fit L2 together), and within a
@@ -289,8 +290,20 @@ struct FlashFwd {
 
     static __device__ __forceinline__ void run(const FwdParams& p, char* smem) {
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int heads = p.batch * p.hq;
         int m_block, bh;
-        fwd_item(p, (int)blockIdx.x, m_block, bh);
+        if (p.longest_first) {
+            // Later query tiles see more keys under a causal rule: start them first, across all
+            // heads, so the tail of the launch is short tiles (the launchers pass longest_first =
+            // all heads for this kernel: `fwd_item`'s chunked order, measured on the
+            // warp-specialised kernel, made this one spill).
+            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
+            bh = blockIdx.x % heads;
+        } else {
+            // Consecutive blocks share a head: its K and V stay in L2.
+            m_block = blockIdx.x % p.num_m_blocks;
+            bh = blockIdx.x / p.num_m_blocks;
+        }
         const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
 
         int q_start = 0, k_start = 0, sq = p.sq, sk = p.sk;
@@ -477,8 +490,15 @@ struct FlashFwdSm90 {
 
     static __device__ __forceinline__ void run(const FwdParams& p, char* smem) {
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int heads = p.batch * p.hq;
         int m_block, bh;
-        fwd_item(p, (int)blockIdx.x, m_block, bh);
+        if (p.longest_first) {
+            m_block = p.num_m_blocks - 1 - (int)(blockIdx.x / heads);
+            bh = blockIdx.x % heads;
+        } else {
+            m_block = blockIdx.x % p.num_m_blocks;
+            bh = blockIdx.x / p.num_m_blocks;
+        }
         const int b = bh / p.hq, h = bh % p.hq, hk = h / p.group;
 
         int q_start = 0, k_start = 0, sq = p.sq, sk = p.sk;
