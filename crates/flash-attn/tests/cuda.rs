@@ -787,14 +787,15 @@ fn dropout_case<T: cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>
 #[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
 fn causal_launches_in_head_chunks_meet_the_contract() {
-    // Under a causal rule the forward orders its work items in chunks of heads whose K and V fit
-    // L2 together (`causal_chunk_heads` in cuda/launch.rs): at 16 000 keys of d 128 a kv head's K
-    // and V take 8.2 MB, so two kv heads (four query heads of GQA groups of 2) make a chunk and
-    // the six heads here go in a chunk of four and a short one of two (a unit test there checks
-    // the count). Both causal rules, on the default variant (the warp-specialised kernel on
-    // sm_90a: 12 items, fewer than its blocks, so the order is tested here and the scheduler's
-    // hand-out in `warp_specialised_...` tests), the pre-Hopper kernel and, on sm_90a, the Hopper
-    // one without warp specialisation; the oracle computed once a rule.
+    // Under a causal rule the warp-specialised forward orders its work items in chunks of heads
+    // whose K and V fit L2 together (`causal_chunk_heads` in cuda/launch.rs): at 16 000 keys of
+    // d 128 a kv head's K and V take 8.2 MB, so two kv heads (four query heads of GQA groups of
+    // 2) make a chunk and the six heads here go in a chunk of four and a short one of two (a unit
+    // test there checks the count). Both causal rules, on the default variant (the
+    // warp-specialised kernel on sm_90a: 12 items, fewer than its blocks, so the order is tested
+    // here and the scheduler's hand-out in `warp_specialised_...` tests) and, in all heads' order,
+    // the pre-Hopper kernel and the Hopper one without warp specialisation; the oracle computed
+    // once a rule.
     let dev = cuda::default_device().expect("a CUDA device");
     let mut rng = Rng::new(0xc4a2);
     for causal in [Causal::BottomRight, Causal::TopLeft] {
