@@ -252,15 +252,23 @@ fn every_forward_variant_on_the_device_meets_the_contract() {
 
 /// One forward case against the oracle, on `variant` (`None`: the default).
 fn forward_variant_case<T: cuda::CudaElement>(c: &Case, variant: Option<Variant>) {
+    dropout_case::<T>(c, None, variant);
+}
+
+/// [`forward_variant_case`] with dropout `(p, seed, offset)` if given.
+fn dropout_case<T: cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>, variant: Option<Variant>) {
     let data = c.data::<T>();
-    let spec = c.spec(&data);
+    let mut spec = c.spec(&data);
+    if let Some((p, seed, offset)) = dropout {
+        spec = spec.dropout(p, seed, offset);
+    }
     let [q, k, v] = data.views();
     let ours = cuda::forward_host_variant(&spec, &q, &k, &v, variant).expect("cuda forward");
     let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
     let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
     let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
     let name = variant.map(|v| v.name()).unwrap_or_default();
-    assert!(rep.passed(), "{name} on {c}: {rep}");
+    assert!(rep.passed(), "{name} on {c} with dropout {dropout:?}: {rep}");
 }
 
 #[test]
@@ -749,8 +757,8 @@ fn warp_specialised_dropout_and_softcap_meet_the_contract() {
                     }
                     let dropout = extras.dropout.then(|| (rng.pick(&[0.1f32, 0.3, 0.5]), rng.next_u64(), n as u32));
                     match dtype {
-                        DType::F16 => dropout_case::<f16>(&c, dropout, variant),
-                        _ => dropout_case::<bf16>(&c, dropout, variant),
+                        DType::F16 => dropout_case::<f16>(&c, dropout, Some(variant)),
+                        _ => dropout_case::<bf16>(&c, dropout, Some(variant)),
                     }
                 }
                 // ALiBi is not a path these variants hold.
@@ -767,21 +775,6 @@ fn warp_specialised_dropout_and_softcap_meet_the_contract() {
             }
         }
     }
-}
-
-/// One forward case on `variant` against the oracle, with dropout `(p, seed, offset)` if given.
-fn dropout_case<T: cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>, variant: Variant) {
-    let data = c.data::<T>();
-    let mut spec = c.spec(&data);
-    if let Some((p, seed, offset)) = dropout {
-        spec = spec.dropout(p, seed, offset);
-    }
-    let [q, k, v] = data.views();
-    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, Some(variant)).expect("cuda forward");
-    let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
-    let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
-    let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
-    assert!(rep.passed(), "{} on {c} with dropout {dropout:?}: {rep}", variant.name());
 }
 
 #[test]
