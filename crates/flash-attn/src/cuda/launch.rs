@@ -515,12 +515,7 @@ pub(crate) fn forward<T: CudaElement>(
         return Ok(());
     }
     let br = variant.block_rows();
-    let num_m_blocks = g.max_sq.div_ceil(br);
-    let heads = g.seqs.len() * g.hq;
-    let blocks = num_m_blocks.checked_mul(heads).filter(|&b| b <= i32::MAX as usize);
-    let Some(blocks) = blocks else {
-        return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {heads} heads is too large a grid")));
-    };
+    let (num_m_blocks, blocks) = work_items(g, br, false)?;
 
     if variant.ws {
         return forward_ws(dev, f, variant, g, (q, k, v), out, o_layout, lse);
@@ -703,13 +698,7 @@ pub(crate) fn forward_fp8(
         return Ok(());
     }
     let br = variant.block_rows();
-    let num_m_blocks = g.max_sq.div_ceil(br);
-    let heads = g.seqs.len() * g.hq;
-    // The persistent loop steps an i32 item index by the grid: keep it below i32::MAX.
-    let blocks = num_m_blocks.checked_mul(heads).filter(|&b| b <= (i32::MAX / 2) as usize);
-    let Some(blocks) = blocks else {
-        return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {heads} heads is too large a grid")));
-    };
+    let (num_m_blocks, blocks) = work_items(g, br, true)?;
     let (qp, _q_sync) = q.data.device_ptr(stream);
     let (kp, _k_sync) = k.data.device_ptr(stream);
     let (vp, _v_sync) = v.data.device_ptr(stream);
@@ -827,6 +816,19 @@ pub(crate) fn forward_fp8(
     Ok(())
 }
 
+/// A forward's query tiles of `br` rows a (sequence, head) and its work items (tiles × heads),
+/// or an error where the items do not fit the kernels' `i32` indices: below `i32::MAX`, or half
+/// of it for a `persistent` kernel, whose loop steps an item index by the grid.
+fn work_items(g: &Geometry<'_>, br: usize, persistent: bool) -> Result<(usize, usize)> {
+    let num_m_blocks = g.max_sq.div_ceil(br);
+    let heads = g.seqs.len() * g.hq;
+    let limit = if persistent { i32::MAX / 2 } else { i32::MAX } as usize;
+    match num_m_blocks.checked_mul(heads).filter(|&n| n <= limit) {
+        Some(items) => Ok((num_m_blocks, items)),
+        None => Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {heads} heads is too large a grid"))),
+    }
+}
+
 /// The multiprocessors of `dev`: the grid of a persistent kernel.
 fn multiprocessors(dev: &Device) -> Result<usize> {
     let sms = dev
@@ -859,12 +861,7 @@ fn forward_ws<T: CudaElement>(
     check_extras(g, variant.extras, &name)?;
     let stream = dev.stream();
     let br = variant.block_rows();
-    let num_m_blocks = g.max_sq.div_ceil(br);
-    // The persistent loop steps an i32 item index by the grid: keep it below i32::MAX.
-    let items = num_m_blocks.checked_mul(g.seqs.len() * g.hq).filter(|&b| b <= (i32::MAX / 2) as usize);
-    let Some(items) = items else {
-        return Err(Error::Unsupported(format!("{num_m_blocks} query tiles x {} heads is too large a grid", g.hq)));
-    };
+    let (num_m_blocks, items) = work_items(g, br, true)?;
     let elem = std::mem::size_of::<T>();
     let (qp, _q_sync) = q.data.device_ptr(stream);
     let (kp, _k_sync) = k.data.device_ptr(stream);
