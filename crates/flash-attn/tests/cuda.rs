@@ -442,7 +442,8 @@ fn backward_meets_the_numerics_contract_on_random_cases() {
 
 /// The GPU draws the CPU's keep mask, bit for bit, in the forward (read off `out` with V = I:
 /// `out[i, j] = P'[i, j]`, zero exactly where dropped) and in the backward (read off `dv` with
-/// dO = I: `dv[j, i] = P'[i, j]`), across sequences (varlen), heads and offsets.
+/// dO = I: `dv[j, i] = P'[i, j]`), across sequences (varlen, and a fixed-length batch), heads and
+/// offsets.
 #[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
 fn dropout_keep_mask_is_bit_identical_to_the_cpu() {
@@ -457,9 +458,13 @@ fn dropout_keep_mask_is_bit_identical_to_the_cpu() {
     // Row j of each sequence is the unit vector e_j (per head).
     let eye: Vec<bf16> =
         (0..t * h * d).map(|x| bf16::from_f32(f32::from(u8::from((x / (h * d)) % 64 == x % d)))).collect();
-    for (p, seed, offset) in [(0.3f32, 42u64, 0u32), (0.5, 0xDEAD_BEEF_0123_4567, 7), (0.1, 1, u32::MAX)] {
-        let spec = AttentionSpec::new().varlen(&cu, &cu).dropout(p, seed, offset);
-        let (qt, kt, vt) = (Tensor::new(&q, &[t, h, d]), Tensor::new(&k, &[t, h, d]), Tensor::new(&eye, &[t, h, d]));
+    // Varlen, and the same two sequences as a fixed-length batch (on sm_90a: the warp-specialised
+    // kernel's dropout variant).
+    let cases = [(0.3f32, 42u64, 0u32), (0.5, 0xDEAD_BEEF_0123_4567, 7), (0.1, 1, u32::MAX)];
+    for ((p, seed, offset), varlen) in cases.into_iter().flat_map(|c| [(c, true), (c, false)]) {
+        let spec = AttentionSpec::new().dropout(p, seed, offset);
+        let (spec, shape) = if varlen { (spec.varlen(&cu, &cu), vec![t, h, d]) } else { (spec, vec![2, 64, h, d]) };
+        let (qt, kt, vt) = (Tensor::new(&q, &shape), Tensor::new(&k, &shape), Tensor::new(&eye, &shape));
         let fwd = cuda::forward_host(&spec, &qt, &kt, &vt).expect("cuda forward");
         let out = Tensor::new(&fwd.out, &fwd.out_shape);
         let grads = cuda::backward_host(&spec, &qt, &kt, &vt, &out, &fwd.lse, &vt).expect("cuda backward");
@@ -478,7 +483,11 @@ fn dropout_keep_mask_is_bit_identical_to_the_cpu() {
                 }
             }
         }
-        assert_eq!(mismatches, (0, 0), "p {p} seed {seed} offset {offset}: (forward, backward) mismatches");
+        assert_eq!(
+            mismatches,
+            (0, 0),
+            "p {p} seed {seed} offset {offset} varlen {varlen}: (forward, backward) mismatches"
+        );
     }
 }
 

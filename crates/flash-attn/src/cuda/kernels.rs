@@ -305,13 +305,21 @@ impl Variant {
         options
     }
 
-    /// The variant a problem runs on by default: on sm_90a the warp-specialised kernel for
-    /// problems without optional paths at tile widths 64 and 128 (1.1-1.46x the other Hopper
-    /// kernel, docs/cuda-notes.md) where `ws_ok` (the problem is one it takes: a fixed-length
-    /// batch with keys and a positive softmax scale), else [`Variant::extras_on`].
+    /// The variant a problem runs on by default: on sm_90a, where `ws_ok` (the problem is one the
+    /// warp-specialised kernel takes: a fixed-length batch with keys and a positive softmax
+    /// scale), the warp-specialised kernel at tile widths 64 and 128 for problems without
+    /// optional paths (1.1-1.46x the other Hopper kernel) and with dropout alone (1.08-1.25x the
+    /// other's dropout variant), and at 128 with softcap alone (1.26-1.28x; at 64 the other
+    /// kernel's 64-key tiles are 1.08-1.11x faster); docs/cuda-notes.md. Else
+    /// [`Variant::extras_on`].
     pub fn for_problem(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths, ws_ok: bool) -> Option<Variant> {
-        if arch.has_wgmma() && ws_ok && !extras.any() {
-            if let Some(ws) = Variant::hopper_ws_for(dtype, d) {
+        if arch.has_wgmma() && ws_ok {
+            let ws = if !extras.any() {
+                Variant::hopper_ws_for(dtype, d)
+            } else {
+                Variant::hopper_ws_extras_for(dtype, d, extras).filter(|v| v.extras.dropout || v.d == 128)
+            };
+            if let Some(ws) = ws {
                 return Some(ws);
             }
         }
@@ -328,8 +336,8 @@ impl Variant {
     }
 
     /// The warp-specialised Hopper variant holding the optional paths `extras`, where it has
-    /// them: dropout alone or softcap alone ([`WS_EXTRAS`]). Not yet chosen by default: these
-    /// variants run only when asked for by name (docs/cuda-notes.md).
+    /// them: dropout alone or softcap alone ([`WS_EXTRAS`]); [`Variant::for_problem`] says where
+    /// they are the default.
     pub fn hopper_ws_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<Variant> {
         if !WS_EXTRAS.contains(&extras) {
             return None;

@@ -880,8 +880,18 @@ fn forward_ws<T: CudaElement>(
         longest_first: if g.causal == Causal::None { 0 } else { causal_chunk_heads(g) },
         ..FwdParams::of(g, FwdBuffers { q: qp, k: kp, v: vp, o: op, lse: lp }, &o_layout, num_m_blocks)?
     };
-    let mut counter = scheduler_counter(stream)?;
-    let (counter_ptr, _counter_sync) = counter.device_ptr_mut(stream);
+    // The tile scheduler where items differ in length (a causal rule or a window); items of one
+    // length go by the stride (no counter), whose loop measured faster at d 64 (the kernel's
+    // `consume`).
+    let uniform_items = g.causal == Causal::None && g.window.is_none();
+    let mut counter = if uniform_items { None } else { Some(scheduler_counter(stream)?) };
+    let (counter_ptr, _counter_sync) = match counter.as_mut() {
+        Some(c) => {
+            let (ptr, sync) = c.device_ptr_mut(stream);
+            (ptr, Some(sync))
+        }
+        None => (0, None),
+    };
     // TMA boxes: 64 columns (128 bytes, one swizzle row) by the tile's rows.
     let u = |x: usize| x as u64;
     let (rows, bc) = (i32_of("rows", br)? as u32, i32_of("keys a tile", variant.bc)? as u32);
@@ -1216,6 +1226,35 @@ mod tests {
         let o = RowLayout { batch_stride: 0, token_stride: hq * d, head_stride: d };
         let p = FwdParams::of(&g, bufs, &o, 1).expect("params");
         assert_eq!((p.lse_batch, p.lse_head, p.causal, p.longest_first), (0, 5, 0, 0));
+    }
+
+    #[test]
+    fn hopper_problems_run_on_the_kernels_measured_fastest_for_them() {
+        let (b, s, h) = (2, 64, 4);
+        let name = |d: usize, spec: AttentionSpec<'_>| {
+            let x = vec![(); b * s * h * d];
+            let t = Tensor::new(&x, &[b, s, h, d]);
+            let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
+            supported(&g, DType::BF16, &Arch("sm_90a".into())).expect("a variant").name()
+        };
+        let plain = || AttentionSpec::new().causal();
+        // Plain and dropout alone: the warp-specialised kernel at 64 and 128.
+        for d in [64, 128] {
+            assert!(name(d, plain()).ends_with("_h_ws"), "{}", name(d, plain()));
+            assert!(name(d, plain().dropout(0.1, 1, 0)).ends_with("_h_xd_ws"));
+        }
+        // Softcap alone: warp-specialised at 128; at 64 the other kernel's 64-key tiles.
+        assert!(name(128, plain().softcap(30.0)).ends_with("_h_xs_ws"));
+        assert_eq!(name(64, plain().softcap(30.0)), "flash_fwd_bf16_d64_m1_n64_w8_h_xs");
+        // Both, or another width: the other Hopper kernel.
+        assert!(!name(128, plain().softcap(30.0).dropout(0.1, 1, 0)).ends_with("_ws"));
+        assert!(!name(96, plain().dropout(0.1, 1, 0)).ends_with("_ws"));
+        // Sm_80 has no warp-specialised kernel.
+        let x = vec![(); b * s * h * 64];
+        let t = Tensor::new(&x, &[b, s, h, 64]);
+        let spec = plain().dropout(0.1, 1, 0);
+        let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
+        assert!(!supported(&g, DType::BF16, &Arch("sm_80".into())).expect("a variant").ws);
     }
 
     #[test]
