@@ -308,9 +308,9 @@ impl Variant {
     /// The variant a problem runs on by default: on sm_90a, where `ws_ok` (the problem is one the
     /// warp-specialised kernel takes: a fixed-length batch with keys and a positive softmax
     /// scale), the warp-specialised kernel at tile widths 64 and 128 for problems without
-    /// optional paths (1.1-1.46x the other Hopper kernel) and with dropout alone (1.08-1.25x the
+    /// optional paths (1.1-1.46x the other Hopper kernel) and with dropout alone (1.06-1.25x the
     /// other's dropout variant), and at 128 with softcap alone (1.26-1.28x; at 64 the other
-    /// kernel's 64-key tiles are 1.08-1.11x faster); docs/cuda-notes.md. Else
+    /// kernel's 64-key tiles are 1.09-1.11x faster); docs/cuda-notes.md. Else
     /// [`Variant::extras_on`].
     pub fn for_problem(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths, ws_ok: bool) -> Option<Variant> {
         if arch.has_wgmma() && ws_ok {
