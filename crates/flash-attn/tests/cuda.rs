@@ -736,7 +736,8 @@ fn fp8_forward_options_it_lacks_are_typed_errors() {
 #[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
 fn warp_specialised_dropout_and_softcap_meet_the_contract() {
-    // The warp-specialised variants with dropout alone and softcap alone (asked for by name):
+    // The warp-specialised variants with dropout alone and softcap alone (each one asked for by
+    // name, at both widths, whichever the default routing picks):
     // random fixed-length problems (GQA, both causal rules, windows, strided inputs, one with
     // more work items than multiprocessors) against the oracle, which draws the same keep mask
     // (a wrong mask is far outside the contract); ALiBi or block masks on them are typed errors.
