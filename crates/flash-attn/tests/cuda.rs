@@ -271,6 +271,57 @@ fn dropout_case<T: cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>
     assert!(rep.passed(), "{name} on {c} with dropout {dropout:?}: {rep}");
 }
 
+/// Softcap on scores far past the cap, where tanh saturates (the forward's reciprocal on the FMA
+/// pipe at d 64 holds its input at 2^64), and a NaN in one query row, which must reach that row's
+/// output and lse as in the oracle and no other row: the default variants (d 64 and 128 take the
+/// two reciprocals), both dtypes, both causal rules, caps 0.5-4, scores of ±40 and more.
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn softcap_on_saturating_scores_and_a_nan_row_matches_the_oracle() {
+    cuda::default_device().expect("a CUDA device");
+    fn run<T: cuda::CudaElement>(c: &Case, nan_row: Option<usize>) {
+        let mut data = c.data::<T>();
+        // Scores about 12 times their usual size (query rows scaled; T holds it).
+        for x in data.q.iter_mut() {
+            *x = T::from_f64(x.to_f64() * 12.0);
+        }
+        if let Some(i) = nan_row {
+            // Element 0 of token i, head 0 (contiguous [b, s, h, d]).
+            data.q[i * c.hq * c.d] = T::from_f64(f64::NAN);
+        }
+        let spec = c.spec(&data);
+        let [q, k, v] = data.views();
+        let ours = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
+        let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
+        let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
+        let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
+        assert!(rep.passed(), "{c} NaN row {nan_row:?}: {rep}");
+        if let Some(i) = nan_row {
+            let sq = c.seqlens[0].0;
+            assert!(ours.lse[i].is_nan() && ours.out[i * c.hq * c.d].to_f64().is_nan(), "{c}: NaN row");
+            assert!(!ours.lse[(i + 1) % sq].is_nan(), "{c}: the NaN stays in its row");
+        }
+    }
+    let mut rng = Rng::new(0x5eed_0033);
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64, 128] {
+            for causal in [Causal::None, Causal::BottomRight] {
+                let mut c = random_cuda_case(&mut rng);
+                (c.dtype, c.d, c.dv, c.varlen, c.causal, c.window) = (dtype, d, d, false, causal, None);
+                (c.alibi, c.block, c.scale, c.storage) = (None, None, None, Storage::Contiguous);
+                c.softcap = Some(rng.pick(&[0.5f32, 1.0, 4.0]));
+                (c.hq, c.hk) = (4, 2);
+                c.seqlens = vec![(rng.range(100, 300), rng.range(150, 400)); 2];
+                let nan_row = (causal == Causal::None).then(|| rng.range(0, c.seqlens[0].0));
+                match dtype {
+                    DType::F16 => run::<f16>(&c, nan_row),
+                    _ => run::<bf16>(&c, nan_row),
+                }
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
 fn fully_masked_rows_give_zero_output_and_neg_inf_lse() {

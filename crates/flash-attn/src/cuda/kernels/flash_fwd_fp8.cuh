@@ -96,7 +96,9 @@ __device__ __forceinline__ void ws_finish(FragC (&o)[1][DT], const float (&row_m
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float sum = quad_sum(row_sum[r]);
-        const bool empty = !(sum > 0.f);
+        // No visible key: sum 0. A NaN sum (a NaN score in the row) reaches o and lse, as in the
+        // oracle.
+        const bool empty = sum == 0.f;
         const float inv = empty ? 0.f : v_descale / sum;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {

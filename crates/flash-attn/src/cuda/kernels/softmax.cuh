@@ -83,7 +83,9 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float sum = quad_sum(row_sum[mt][r]);
-                bool empty = !(sum > 0.f);
+                // Empty: no visible key (sum 0). A NaN sum (a NaN score in the row) is not: it
+                // reaches o and lse, as in the oracle (DESIGN §2).
+                bool empty = sum == 0.f;
                 float inv = empty ? 0.f : out_scale / sum;
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
