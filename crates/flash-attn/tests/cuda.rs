@@ -174,13 +174,7 @@ fn head_dims_between_the_tile_widths_meet_the_contract() {
             c.d = d;
             c.dv = d;
             let data = c.data::<bf16>();
-            let spec = c.spec(&data);
-            let [q, k, v] = data.views();
-            let ours = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
-            let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
-            let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
-            let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
-            assert!(rep.passed(), "{c}: {rep}");
+            forward_against_the_oracle(&c.spec(&data), &data, c.dtype, None, |rep| format!("{c}: {rep}"));
             match c.dtype {
                 DType::F16 => backward_case::<half::f16>(&c, None, None, false),
                 _ => backward_case::<bf16>(&c, None, None, false),
@@ -262,13 +256,28 @@ fn dropout_case<T: cuda::CudaElement>(c: &Case, dropout: Option<(f32, u64, u32)>
     if let Some((p, seed, offset)) = dropout {
         spec = spec.dropout(p, seed, offset);
     }
-    let [q, k, v] = data.views();
-    let ours = cuda::forward_host_variant(&spec, &q, &k, &v, variant).expect("cuda forward");
-    let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
-    let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
-    let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
     let name = variant.map(|v| v.name()).unwrap_or_default();
-    assert!(rep.passed(), "{name} on {c} with dropout {dropout:?}: {rep}");
+    forward_against_the_oracle(&spec, &data, c.dtype, variant, |rep| {
+        format!("{name} on {c} with dropout {dropout:?}: {rep}")
+    });
+}
+
+/// The CUDA forward of `spec` on `data` (the default variant, or `variant`), asserted within the
+/// numerics contract against the oracle (`why` words the failure from the report); returns it.
+fn forward_against_the_oracle<T: cuda::CudaElement>(
+    spec: &AttentionSpec<'_>,
+    data: &flash_attn::check::CaseData<T>,
+    dtype: DType,
+    variant: Option<Variant>,
+    why: impl FnOnce(&flash_attn::check::CaseReport) -> String,
+) -> flash_attn::Output<T> {
+    let [q, k, v] = data.views();
+    let ours = cuda::forward_host_variant(spec, &q, &k, &v, variant).expect("cuda forward");
+    let oracle = reference::forward(spec, &q, &k, &v).expect("oracle");
+    let naive = reference::naive(spec, &q, &k, &v).expect("naive");
+    let rep = report(&ours.out, &ours.lse, &oracle, &naive, dtype);
+    assert!(rep.passed(), "{}", why(&rep));
+    ours
 }
 
 /// Softcap on scores far past the cap, where tanh saturates (the forward's reciprocal on the FMA
@@ -290,12 +299,8 @@ fn softcap_on_saturating_scores_and_a_nan_row_matches_the_oracle() {
             data.q[i * c.hq * c.d] = T::from_f64(f64::NAN);
         }
         let spec = c.spec(&data);
-        let [q, k, v] = data.views();
-        let ours = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
-        let oracle = reference::forward(&spec, &q, &k, &v).expect("oracle");
-        let naive = reference::naive(&spec, &q, &k, &v).expect("naive");
-        let rep = report(&ours.out, &ours.lse, &oracle, &naive, c.dtype);
-        assert!(rep.passed(), "{c} NaN row {nan_row:?}: {rep}");
+        let ours =
+            forward_against_the_oracle(&spec, &data, c.dtype, None, |rep| format!("{c} NaN row {nan_row:?}: {rep}"));
         if let Some(i) = nan_row {
             let sq = c.seqlens[0].0;
             assert!(ours.lse[i].is_nan() && ours.out[i * c.hq * c.d].to_f64().is_nan(), "{c}: NaN row");

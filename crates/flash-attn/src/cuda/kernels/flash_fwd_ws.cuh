@@ -312,18 +312,23 @@ struct FlashFwdWs {
                     }
                 };
 
+                // S of tile `it`, issued in this warpgroup's turn, complete; its K buffer freed.
+                auto scores_in_turn = [&](FragC (&s)[1][NT], int it) {
+                    wait_k(it);
+                    named_sync(my_turn, CONSUMERS);
+                    Mma::issue_scores(s, sQw, k_at(it));
+                    named_arrive(their_turn, CONSUMERS);
+                    wgmma_wait<0>();
+                    fence_operands(s[0]);
+                    free_k(it);
+                };
+
                 if (tiles > 0 && !OVERLAP) {
                     // S, then P·V, one after the other (S issued in this warpgroup's turn).
                     FragA pa[PA];
                     for (int j = 0; j < tiles; ++j, ++it) {
-                        wait_k(it);
                         FragC s[1][NT];
-                        named_sync(my_turn, CONSUMERS);
-                        Mma::issue_scores(s, sQw, k_at(it));
-                        named_arrive(their_turn, CONSUMERS);
-                        wgmma_wait<0>();
-                        fence_operands(s[0]);
-                        free_k(it);
+                        scores_in_turn(s, it);
                         float correction[2];
                         probabilities(s, (n_end - 1 - j) * BC, correction);
                         float corr[1][2] = {{correction[0], correction[1]}};
@@ -342,14 +347,8 @@ struct FlashFwdWs {
                 } else if (tiles > 0) {
                     FragA pa[PA];
                     {
-                        wait_k(it);
                         FragC s[1][NT];
-                        named_sync(my_turn, CONSUMERS);
-                        Mma::issue_scores(s, sQw, k_at(it));
-                        named_arrive(their_turn, CONSUMERS);
-                        wgmma_wait<0>();
-                        fence_operands(s[0]);
-                        free_k(it);
+                        scores_in_turn(s, it);
                         float correction[2];
                         probabilities(s, (n_end - 1) * BC, correction);
                         pack(pa, s, (n_end - 1) * BC);
