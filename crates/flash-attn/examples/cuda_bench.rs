@@ -4,7 +4,8 @@
 //! cuda_bench compile [sm_80,sm_90a] [NAME] compile every variant (whose name contains NAME), print
 //!                                          registers / spills
 //! cuda_bench check [CASES] [SEED]          random cases vs the f64 oracle (numerics contract)
-//! cuda_bench bench [--variants all|hopper] [--dtypes bf16,f16] [--causal both] [--d 64,128] [--reps N]
+//! cuda_bench bench [--variants all|hopper] [--only NAME] [--dtypes bf16,f16] [--causal both] [--d 64,128]
+//!                  [--reps N]
 //!                  [--pass fwd|bwd] [--deterministic] [--dropout P] [--softcap C]
 //!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048; `bwd`
 //!                                          times the backward pass alone (FLOPs 2.5 × forward)
@@ -312,8 +313,10 @@ fn sanitize_variants(rng: &mut Rng, arch: &Arch, pattern: &str) -> Result<()> {
         BwdVariant::all().into_iter().filter(|v| v.runs_on(arch) && v.name().contains(pattern)).enumerate()
     {
         let mut c = random_case(rng);
-        (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
-        c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
+        (c.dtype, c.d, c.dv, c.varlen, c.causal) =
+            (variant.dtype, variant.d, variant.d, !variant.ws, Causal::BottomRight);
+        // (The warp-specialised kernel takes fixed-length batches.)
+        c.seqlens = if variant.ws { vec![(130, 150); 2] } else { vec![(37, 150), (130, 61), (0, 5)] };
         use_paths(&mut c, variant.extras);
         let dropout = variant.extras.dropout.then_some((0.2f32, 11u64, i as u32));
         let passed = match variant.dtype {
@@ -342,6 +345,8 @@ fn bench(args: &[String]) -> Result<()> {
         arg(args, "--seqs", "512,1024,2048,4096,8192,16384").split(',').filter_map(|s| s.parse().ok()).collect();
     let reps: usize = arg(args, "--reps", "20").parse().unwrap_or(20);
     let which = arg(args, "--variants", "default");
+    // With --variants: only those whose name contains this.
+    let only = arg(args, "--only", "");
     let all_variants = which == "all" || which == "hopper";
     let bwd = arg(args, "--pass", "fwd") == "bwd";
     let deterministic = args.iter().any(|a| a == "--deterministic");
@@ -363,6 +368,7 @@ fn bench(args: &[String]) -> Result<()> {
                 Variant::all()
                     .into_iter()
                     .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch) && (which == "all" || v.wgmma))
+                    .filter(|v| v.name().contains(only))
                     // Only the variants holding the paths the options use (--dropout, --softcap).
                     .filter(|v| v.extras.covers(extras.paths()))
                     .map(Some)
@@ -375,6 +381,7 @@ fn bench(args: &[String]) -> Result<()> {
                 BwdVariant::all()
                     .into_iter()
                     .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch) && (which == "all" || v.wgmma))
+                    .filter(|v| v.name().contains(only))
                     .map(Some)
                     .collect()
             } else {

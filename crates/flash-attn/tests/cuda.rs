@@ -408,6 +408,9 @@ fn every_backward_variant_on_the_device_meets_the_contract() {
             c.d = if rng.chance(0.5) { variant.d } else { lo + 8 * rng.range(1, (variant.d - lo) / 8) };
             c.dv = c.d;
             use_paths(&mut c, variant.extras, n, &mut rng);
+            if variant.ws {
+                fixed_length(&mut c);
+            }
             let deterministic = n % 3 == 1;
             // Dropout in most cases of a variant that holds it (its other paths come with the case).
             let dropout = (variant.extras.dropout && n % 3 != 2)
@@ -417,6 +420,47 @@ fn every_backward_variant_on_the_device_meets_the_contract() {
                 _ => backward_case::<bf16>(&c, dropout, Some(variant), deterministic),
             }
         }
+    }
+}
+
+/// The case as a fixed-length batch: every sequence of the first one's lengths.
+fn fixed_length(c: &mut Case) {
+    c.varlen = false;
+    if let Some(&first) = c.seqlens.first() {
+        c.seqlens.iter_mut().for_each(|s| *s = first);
+    }
+}
+
+/// The warp-specialised Hopper backward (a producer warpgroup loading each work item by TMA into
+/// a ring of buffers): fixed-length batches long enough that the ring wraps several times and a
+/// block walks several query heads of its group, lengths that end inside a tile, every causal
+/// rule and windows, deterministic mode in a third of the cases.
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn warp_specialised_backward_meets_the_contract() {
+    let dev = cuda::default_device().expect("a CUDA device");
+    let mut rng = Rng::new(41);
+    for variant in BwdVariant::all().into_iter().filter(|v| v.ws && v.runs_on(dev.arch())) {
+        for n in 0..8 {
+            let mut c = random_cuda_case(&mut rng);
+            c.dtype = variant.dtype;
+            c.d = if rng.chance(0.5) { variant.d } else { variant.d - 8 * rng.range(1, 4) };
+            c.dv = c.d;
+            if let Some(s) = c.seqlens.first_mut() {
+                *s = (rng.range(1, 700), rng.range(1, 700));
+            }
+            fixed_length(&mut c);
+            use_paths(&mut c, variant.extras, n, &mut rng);
+            backward_case_any(&c, None, Some(variant), n % 3 == 1);
+        }
+    }
+}
+
+/// [`backward_case`] in the case's dtype.
+fn backward_case_any(c: &Case, dropout: Option<(f32, u64, u32)>, variant: Option<BwdVariant>, deterministic: bool) {
+    match c.dtype {
+        DType::F16 => backward_case::<f16>(c, dropout, variant, deterministic),
+        _ => backward_case::<bf16>(c, dropout, variant, deterministic),
     }
 }
 

@@ -25,6 +25,7 @@ pub(crate) fn backward_source() -> String {
         include_str!("kernels/mask.cuh"),
         include_str!("kernels/philox.cuh"),
         include_str!("kernels/wgmma.cuh"),
+        include_str!("kernels/tma.cuh"),
         include_str!("kernels/flash_bwd.cuh"),
     ]
     .join("\n")
@@ -475,7 +476,15 @@ pub struct BwdVariant {
     /// Whether the products run on Hopper's warpgroup MMAs (`FA_WGMMA`, sm_90a only; `warps` a
     /// multiple of 4, a warpgroup's 64 keys per product).
     pub wgmma: bool,
+    /// Whether this is the warp-specialised Hopper kernel (`FA_BWD_WS`: a producer warpgroup
+    /// more, loading each work item's tiles by TMA into a ring of mbarrier-guarded buffers, the
+    /// `warps` consumer warps without a block-wide barrier an item): `wgmma`, 8 warps, tile widths
+    /// 64 and 128, fixed-length batches, no block-sparse mask.
+    pub ws: bool,
 }
+
+/// Buffers of the warp-specialised backward's ring ([`BwdVariant::ws`]; `FA_BWD_STAGES`).
+const BWD_WS_STAGES: usize = 2;
 
 impl BwdVariant {
     /// Warps (Hopper: warpgroups) that share the same keys (`SPLIT` in `flash_bwd.cuh`, which
@@ -494,31 +503,44 @@ impl BwdVariant {
         16 * self.warps / self.split()
     }
 
-    /// Threads per block.
+    /// Threads per block (the warp-specialised kernel: a producer warpgroup more).
     pub fn threads(&self) -> usize {
-        self.warps * 32
+        self.warps * 32 + if self.ws { 128 } else { 0 }
+    }
+
+    /// Buffers of each item's Q, dO, lse and D: the ring of the warp-specialised kernel, else 2.
+    fn stages(&self) -> usize {
+        if self.ws {
+            BWD_WS_STAGES
+        } else {
+            2
+        }
     }
 
     /// Whether the kernel leaves each item's dQ product in flight under the next item (the
     /// two-warpgroup Hopper kernel; `DEFER_DQ` in `flash_bwd.cuh`, which must agree), with dSᵀ
     /// double-buffered.
     fn defers_dq(&self) -> bool {
-        self.wgmma && self.warps == 8 && self.split() == 1
+        self.wgmma && self.warps == 8 && self.split() == 1 && !self.ws
     }
 
-    /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO, dSᵀ (two buffers in
-    /// the two-warpgroup Hopper kernel, whose dQ product runs under the next item's start), Pᵀ
-    /// where warps share keys ([`BwdVariant::split`]), and two buffers each of a tile's lse and D.
-    /// The Hopper kernel adds 1 KiB to align its tiles to the 128-byte swizzle's 1024-byte period.
+    /// Dynamic shared memory: K and V tiles, two buffers each of Q and dO (the warp-specialised
+    /// kernel: its ring's), dSᵀ (two buffers in the two-warpgroup Hopper kernel, whose dQ product
+    /// runs under the next item's start), Pᵀ where warps share keys ([`BwdVariant::split`]), as
+    /// many buffers each of a tile's lse and D, and the warp-specialised kernel's mbarriers. The
+    /// Hopper kernel adds 1 KiB to align its tiles to the 128-byte swizzle's 1024-byte period.
     pub fn smem_bytes(&self) -> usize {
         let bc = self.block_keys();
         let align = if self.wgmma { 1024 } else { 0 };
-        let ds_buffers = if self.defers_dq() { 2 } else { 1 };
+        let ds_buffers = if self.defers_dq() || self.ws { 2 } else { 1 };
         let p_buffers = usize::from(self.split() > 1);
+        let stages = self.stages();
+        let barriers = if self.ws { 8 * (1 + 2 * stages) } else { 0 };
         2 * bc * self.d * 2
-            + 4 * self.br * self.d * 2
+            + 2 * stages * self.br * self.d * 2
             + (ds_buffers + p_buffers) * bc * self.br * 2
-            + 4 * self.br * 4
+            + 2 * stages * self.br * 4
+            + barriers
             + align
     }
 
@@ -526,8 +548,9 @@ impl BwdVariant {
     /// (`_h`: the Hopper kernel, `_x…`: with optional paths, [`ExtraPaths::suffix`]).
     pub fn name(&self) -> String {
         let h = if self.wgmma { "_h" } else { "" };
+        let ws = if self.ws { "_ws" } else { "" };
         let x = self.extras.suffix();
-        format!("flash_bwd_{}_d{}_r{}_w{}{h}{x}", self.dtype.name(), self.d, self.br, self.warps)
+        format!("flash_bwd_{}_d{}_r{}_w{}{h}{ws}{x}", self.dtype.name(), self.d, self.br, self.warps)
     }
 
     /// Whether the variant runs on `arch` (the Hopper kernel: sm_90a only).
@@ -569,6 +592,8 @@ impl BwdVariant {
             format!("-DFA_BF16={}", u8::from(self.dtype == DType::BF16)),
             format!("-DFA_EXTRAS={}", self.extras.bits()),
             format!("-DFA_WGMMA={}", u8::from(self.wgmma)),
+            format!("-DFA_BWD_WS={}", u8::from(self.ws)),
+            format!("-DFA_BWD_STAGES={}", self.stages()),
         ]
     }
 
@@ -580,7 +605,7 @@ impl BwdVariant {
             return None;
         }
         let warps = if d > 128 { 8 } else { 4 };
-        Some(BwdVariant { dtype, d, br: 64, warps, extras: ExtraPaths::NONE, wgmma: false })
+        Some(BwdVariant { dtype, d, br: 64, warps, extras: ExtraPaths::NONE, wgmma: false, ws: false })
     }
 
     /// The Hopper (sm_90a) variant for `dtype` and head dim `d`, the fastest measured on an H100
@@ -593,7 +618,7 @@ impl BwdVariant {
             return None;
         }
         let br = if d == 64 { 128 } else { 64 };
-        Some(BwdVariant { dtype, d, br, warps: 8, extras: ExtraPaths::NONE, wgmma: true })
+        Some(BwdVariant { dtype, d, br, warps: 8, extras: ExtraPaths::NONE, wgmma: true, ws: false })
     }
 
     /// The Hopper (sm_90a) variant with the optional paths `extras` (some) compiled in: 64
@@ -605,7 +630,7 @@ impl BwdVariant {
             return None;
         }
         let warps = if d == 128 { 4 } else { 8 };
-        Some(BwdVariant { dtype, d, br: 64, warps, extras, wgmma: true })
+        Some(BwdVariant { dtype, d, br: 64, warps, extras, wgmma: true, ws: false })
     }
 
     /// The variant used on `arch` for `dtype`, head dim `d` and the optional paths `extras`: on
@@ -617,6 +642,22 @@ impl BwdVariant {
             (true, true) => BwdVariant::hopper_extras_for(dtype, d, extras),
             (false, _) => BwdVariant::default_for(dtype, d).map(|v| v.with_extras(extras)),
         }
+    }
+
+    /// The variant for a problem on `arch`: [`BwdVariant::default_on`], as the warp-specialised
+    /// kernel ([`BwdVariant::ws`]) where it has one and the problem suits it: a fixed-length
+    /// batch (`fixed_length`) with no optional path, at tile widths 64 and 128 (measured 2-9%
+    /// faster than the other Hopper kernel there, docs/cuda-notes.md).
+    pub fn for_problem(
+        arch: &Arch,
+        dtype: DType,
+        d: usize,
+        extras: ExtraPaths,
+        fixed_length: bool,
+    ) -> Option<BwdVariant> {
+        let v = BwdVariant::default_on(arch, dtype, d, extras)?;
+        let ws = fixed_length && v.wgmma && !extras.any() && v.warps == 8 && (d == 64 || d == 128);
+        Some(BwdVariant { ws, ..v })
     }
 
     /// This variant with the optional paths `extras` compiled in.
@@ -633,13 +674,17 @@ impl BwdVariant {
                 // At d = 256 only the split shape (8 warps, 64 keys) holds dK and dV.
                 let shapes: &[(usize, usize)] = if d > 128 { &[(64, 8)] } else { &[(64, 4), (64, 8)] };
                 for &(br, warps) in shapes {
-                    v.push(BwdVariant { dtype, d, br, warps, extras: ExtraPaths::NONE, wgmma: false });
+                    v.push(BwdVariant { dtype, d, br, warps, extras: ExtraPaths::NONE, wgmma: false, ws: false });
                 }
                 if let Some(x) = BwdVariant::default_for(dtype, d) {
                     v.extend(ExtraPaths::gated().into_iter().map(|e| x.with_extras(e)));
                 }
                 if let Some(h) = BwdVariant::hopper_for(dtype, d) {
                     v.push(h);
+                    // The warp-specialised kernel, at the tile widths of whole TMA boxes.
+                    if d == 64 || d == 128 {
+                        v.push(BwdVariant { ws: true, ..h });
+                    }
                     // One warpgroup per block, 64 queries (two blocks per multiprocessor); not at
                     // d = 256, where two warpgroups split the columns.
                     if d <= 128 {

@@ -338,6 +338,21 @@ unsafe impl DeviceRepr for FwdParams {}
 // SAFETY: plain old data with the C layout of the kernel's `BwdParams` (pointers as u64).
 unsafe impl DeviceRepr for BwdParams {}
 
+/// The warp-specialised backward's parameters ([`BwdVariant::ws`]); field for field `BwdWsParams`
+/// in `kernels/flash_bwd.cuh`.
+#[repr(C, align(128))]
+#[derive(Debug, Clone, Copy)]
+struct BwdWsParams {
+    q: TmaDesc,
+    k: TmaDesc,
+    v: TmaDesc,
+    dout: TmaDesc,
+    base: BwdParams,
+}
+
+// SAFETY: plain-old-data `#[repr(C)]`, mirrored by the kernel.
+unsafe impl DeviceRepr for BwdWsParams {}
+
 /// Why the CUDA kernels cannot run this problem, if they cannot; else the compiled tile width
 /// that runs its head dim.
 pub(crate) fn check_supported(g: &Geometry<'_>, dtype: DType, backward: bool) -> Result<usize> {
@@ -444,7 +459,7 @@ pub(crate) fn fp8_supported(g: &Geometry<'_>, arch: &Arch, scales: crate::Fp8Sca
 /// The backward variant for this problem, or why the CUDA backward cannot run it.
 pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<BwdVariant> {
     let width = check_supported(g, dtype, true)?;
-    BwdVariant::default_on(arch, dtype, width, needs_extras(g))
+    BwdVariant::for_problem(arch, dtype, width, needs_extras(g), !g.varlen)
         .ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
 }
 
@@ -1028,6 +1043,12 @@ pub(crate) fn backward<T: CudaElement>(
     let elem = std::mem::size_of::<T>();
     let (br, bc) = (variant.br, variant.block_keys());
     let batch = g.seqs.len();
+    if variant.ws && (g.varlen || needs_extras(g).blocks) {
+        return Err(Error::Unsupported(format!(
+            "variant {} takes fixed-length batches without a block-sparse mask",
+            variant.name()
+        )));
+    }
     let num_m_blocks = g.max_sq.div_ceil(br).max(1);
     let num_n_blocks = g.max_sk.div_ceil(bc);
     let scratch = BwdScratch::of(g, variant, deterministic);
@@ -1162,10 +1183,31 @@ pub(crate) fn backward<T: CudaElement>(
             block_dim: (variant.threads() as u32, 1, 1),
             shared_mem_bytes: variant.smem_bytes() as u32,
         };
+        let ws_params;
         let mut b = stream.launch_builder(&f.main);
-        b.arg(&params);
-        // SAFETY: as above; the main kernel reads q, k, v, dout, lse and D, writes dk and dv rows
-        // of its key tile and adds into the dQ accumulator, all sized by the geometry.
+        if variant.ws {
+            // TMA boxes of 64 columns (one 128-byte swizzle row) by a tile's rows: query tiles of
+            // q and dout, key tiles of k and v; rows and columns outside the tensors read as zero.
+            let u = |x: usize| x as u64;
+            let bytes = |l: &RowLayout| [u(l.token_stride * elem), u(l.head_stride * elem), u(l.batch_stride * elem)];
+            let (rows, keys) = (i32_of("rows", br)? as u32, i32_of("keys a tile", bc)? as u32);
+            let (bn, d) = (u(batch), u(g.d));
+            // (No query: no item reads q or dout, but a tensor map has no empty dimension.)
+            let (qd, kd) = ([d, u(g.max_sq.max(1)), u(g.hq), bn], [d, u(g.max_sk), u(g.hk), bn]);
+            ws_params = BwdWsParams {
+                q: tensor_map_of("q", qp, elem, &qd, &bytes(&g.q), &[64, rows, 1, 1])?,
+                k: tensor_map_of("k", kp, elem, &kd, &bytes(&g.k), &[64, keys, 1, 1])?,
+                v: tensor_map_of("v", vp, elem, &kd, &bytes(&g.v), &[64, keys, 1, 1])?,
+                dout: tensor_map_of("dout", dop, elem, &qd, &bytes(&x.dout_layout), &[64, rows, 1, 1])?,
+                base: params,
+            };
+            b.arg(&ws_params);
+        } else {
+            b.arg(&params);
+        }
+        // SAFETY: as above; the main kernel reads q, k, v, dout, lse and D (the warp-specialised
+        // one q, k, v and dout through tensor maps of their extents), writes dk and dv rows of its
+        // key tile and adds into the dQ accumulator, all sized by the geometry.
         unsafe { b.launch(cfg) }.map_err(|e| driver_error("launch flash_bwd", e))?;
     }
     let tail = if g.varlen { (g.total_k - k_covered) * g.hk } else { 0 };
@@ -1255,6 +1297,38 @@ mod tests {
         let spec = plain().dropout(0.1, 1, 0);
         let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
         assert!(!supported(&g, DType::BF16, &Arch("sm_80".into())).expect("a variant").ws);
+    }
+
+    #[test]
+    fn hopper_backward_problems_run_on_the_kernels_measured_fastest_for_them() {
+        let (b, s, h) = (2, 64, 4);
+        let name = |d: usize, spec: AttentionSpec<'_>, arch: &str| {
+            let x = vec![(); b * s * h * d];
+            let t = Tensor::new(&x, &[b, s, h, d]);
+            let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
+            supported_backward(&g, DType::BF16, &Arch(arch.into())).expect("a variant").name()
+        };
+        let plain = || AttentionSpec::new().causal();
+        // Fixed length, no optional path: the warp-specialised kernel at 64 and 128, deterministic
+        // or not.
+        for d in [64, 128] {
+            assert!(name(d, plain(), "sm_90a").ends_with("_w8_h_ws"), "{}", name(d, plain(), "sm_90a"));
+            assert!(name(d, plain().deterministic(), "sm_90a").ends_with("_h_ws"));
+            // An optional path, another width, or sm_80: the other kernels.
+            assert!(!name(d, plain().dropout(0.1, 1, 0), "sm_90a").contains("_ws"));
+            assert!(!name(d, plain(), "sm_80").contains("_ws"));
+        }
+        // Head dims the 128 tile pads take it too (its TMA boxes read zeros past d); 256 does not.
+        assert!(name(96, plain(), "sm_90a").ends_with("_d128_r64_w8_h_ws"), "{}", name(96, plain(), "sm_90a"));
+        assert!(!name(256, plain(), "sm_90a").contains("_ws"));
+        // Varlen: the other Hopper kernel.
+        let x = vec![(); 100 * h * 64];
+        let t = Tensor::new(&x, &[100, h, 64]);
+        let cu = [0, 40, 100];
+        let spec = plain().varlen(&cu, &cu);
+        let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
+        let v = supported_backward(&g, DType::BF16, &Arch("sm_90a".into())).expect("a variant");
+        assert!(v.wgmma && !v.ws, "{}", v.name());
     }
 
     #[test]

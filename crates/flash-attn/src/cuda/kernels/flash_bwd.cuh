@@ -53,6 +53,12 @@
 #ifndef FA_WGMMA
 #define FA_WGMMA 0  // 1: the four products and dQ on sm_90a warpgroup MMAs (wgmma.cuh)
 #endif
+#ifndef FA_BWD_WS
+#define FA_BWD_WS 0  // 1: the warp-specialised sm_90a kernel (a producer warpgroup, TMA, mbarriers)
+#endif
+#ifndef FA_BWD_STAGES
+#define FA_BWD_STAGES 2  // FA_BWD_WS: buffers of the Q / dO / lse / D ring
+#endif
 
 // The launch parameters; mirrored field for field by `BwdParams` in src/cuda/launch.rs.
 struct BwdParams {
@@ -94,6 +100,16 @@ struct BwdParams {
     ScoreMod mod;
     BlockMask block;
 };
+
+#if FA_BWD_WS
+// The warp-specialised kernel's parameters: TMA descriptors of q, k, v and dout (tma.cuh; 4-d,
+// [b][s][h][d], boxes of 64 columns by a tile's rows, 128-byte swizzle), then the rest. Field for
+// field `BwdWsParams` in src/cuda/launch.rs.
+struct alignas(128) BwdWsParams {
+    TmaDesc q, k, v, dout;
+    BwdParams base;
+};
+#endif
 
 // Position of flattened query token `tok` (b·sq + i for fixed length, the packed index for
 // varlen): its batch entry and row, for the strided layouts and the lse index.
@@ -250,10 +266,28 @@ struct FlashBwd {
     // double-buffered. (One warpgroup a block runs two blocks per multiprocessor, whose shared
     // memory leaves no room for the second buffer.)
     // (Not with SPLIT, whose dQ piece of 128 columns would hold 64 more registers across the item.)
-    static constexpr bool DEFER_DQ = FA_WGMMA != 0 && WARPS == 8 && SPLIT == 1;  // = BwdVariant::defers_dq
-    // K, V | Q[2], dO[2] | dSᵀ (two with DEFER_DQ) | Pᵀ (SPLIT) | lse[2], D[2]
-    static constexpr int SMEM_BYTES =
-        2 * KV_BYTES + 4 * Q_BYTES + (DEFER_DQ ? 2 : 1) * DS_BYTES + P_BYTES + 4 * ROW_BYTES;
+    // (Not in the warp-specialised kernel, whose consumers have 240 registers: holding dQ across
+    // the item spills there.)
+    static constexpr bool DEFER_DQ =
+        FA_WGMMA != 0 && WARPS == 8 && SPLIT == 1 && FA_BWD_WS == 0;  // = BwdVariant::defers_dq
+    // The warp-specialised kernel (FA_BWD_WS, run_ws): the WARPS consumer warps run the items as
+    // `run` does; a producer warpgroup more loads K, V and each item's Q, dO by TMA and its lse, D
+    // rows into a ring of STAGES buffers (2 in `run`), each with a "full" and an "empty" mbarrier.
+    static constexpr bool WS = FA_BWD_WS != 0;
+    static_assert(!WS || (FA_WGMMA != 0 && WARPS == 8 && SPLIT == 1 && D % 64 == 0 && !FA_BLOCKS),
+                  "the warp-specialised kernel: two consumer warpgroups, tiles of whole 64-column TMA boxes, "
+                  "no block-sparse mask");
+    static constexpr int STAGES = WS ? FA_BWD_STAGES : 2;
+    static_assert(STAGES >= 2, "a ring of at least two buffers");
+    static constexpr int CONSUMERS = THREADS;  // the threads that run the items
+    // K, V | Q[STAGES], dO[STAGES] | dSᵀ[DS_BUFS] | Pᵀ (SPLIT) | lse[STAGES], D[STAGES]
+    // | WS: the mbarriers (K and V full; each stage's full and empty)
+    static constexpr int BAR_BYTES = WS ? 8 * (1 + 2 * STAGES) : 0;
+    // dSᵀ buffers: two where an item's dSᵀ is written before every consumer is past the previous
+    // item's dQ product (DEFER_DQ, and the warp-specialised kernel, with no barrier between them).
+    static constexpr int DS_BUFS = DEFER_DQ || WS ? 2 : 1;
+    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + P_BYTES +
+                                      2 * STAGES * ROW_BYTES + BAR_BYTES;  // = BwdVariant::smem_bytes
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
     // Hopper: Sᵀ and dPᵀ issued together, dV left in flight under dSᵀ, at 64 queries per tile.
     // With 128 (or with the extras at d 128), that many live registers spill, so dPᵀ is issued
@@ -282,6 +316,16 @@ struct FlashBwd {
         return gmma_offset<BC>(row, chunk);
 #else
         return swizzled_offset<BR>(row, chunk);
+#endif
+    }
+
+    // A barrier of the threads that run the items: the block (`run`) or the consumer warpgroups
+    // (`run_ws`: named barrier 1; the producer warpgroup never takes part).
+    static __device__ __forceinline__ void consumers_sync() {
+#if FA_BWD_WS
+        named_sync(1, CONSUMERS);
+#else
+        __syncthreads();
 #endif
     }
 
@@ -518,10 +562,10 @@ struct FlashBwd {
                     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
                 } while (seen != rank);
             }
-            __syncthreads();
+            consumers_sync();
             add(acc, (long long)p.hq * D, rows_valid);
             __threadfence();
-            __syncthreads();
+            consumers_sync();
             if (tid == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sem), "r"(rank + 1) : "memory");
         } else {
             add(acc, (long long)p.hq * D, rows_valid);
@@ -911,6 +955,30 @@ struct FlashBwd {
 #endif
     }
 
+    // One item, on the copy of `item` compiled for its case.
+    static __device__ __forceinline__ void dispatch_item(const ItemCtx& ctx, bool full, FragC (&dk)[DT],
+                                                         FragC (&dv)[DT], FragC (&dq)[DQ_FRAGS]) {
+        const BwdParams& p = *ctx.p;
+        if (FA_EXTRAS == 0 || !(ctx.modded || ctx.drop)) {
+            if (full)
+                item<true, true>(ctx, dk, dv, dq);
+            else
+                item<false, true>(ctx, dk, dv, dq);
+        } else if (FA_EXTRAS == 2 && p.mod.softcap > 0.f) {
+            // (In the variants of softcap alone: where other paths are compiled in too, a
+            // third copy of the item costs the registers they need.)
+            if (full)
+                item<true, false, true>(ctx, dk, dv, dq);
+            else
+                item<false, false, true>(ctx, dk, dv, dq);
+        } else {
+            if (full)
+                item<true, false>(ctx, dk, dv, dq);
+            else
+                item<false, false>(ctx, dk, dv, dq);
+        }
+    }
+
     static __device__ __forceinline__ void run(const BwdParams& p, char* smem) {
         const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
         const int g = lane_id >> 2, t = lane_id & 3;
@@ -935,9 +1003,9 @@ struct FlashBwd {
             }
         }
 
-        const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + 2 * Q_BYTES,
-                  sDS0 = sDO0 + 2 * Q_BYTES, sP = sDS0 + (DEFER_DQ ? 2 : 1) * DS_BYTES, sL0 = sP + P_BYTES,
-                  sD0 = sL0 + 2 * ROW_BYTES;
+        const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + STAGES * Q_BYTES,
+                  sDS0 = sDO0 + STAGES * Q_BYTES, sP = sDS0 + DS_BUFS * DS_BYTES, sL0 = sP + P_BYTES,
+                  sD0 = sL0 + STAGES * ROW_BYTES;
         // The warp's 16 keys of the tile; SPLIT: its half of the queries (Sᵀ, dPᵀ) and of the
         // columns (dK, dV).
         // (Compile-time zeros without SPLIT: the warp index is not known to be below WARPS.)
@@ -1074,24 +1142,7 @@ struct FlashBwd {
             // Every pair visible and every row a real query: no predicate. (Rows past the end hold
             // zeros; masking them too keeps a non-finite V out of dK through them.)
             const bool full = all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
-            if (FA_EXTRAS == 0 || !(modded || drop)) {
-                if (full)
-                    item<true, true>(ctx, dk, dv, dq);
-                else
-                    item<false, true>(ctx, dk, dv, dq);
-            } else if (FA_EXTRAS == 2 && p.mod.softcap > 0.f) {
-                // (In the variants of softcap alone: where other paths are compiled in too, a
-                // third copy of the item costs the registers they need.)
-                if (full)
-                    item<true, false, true>(ctx, dk, dv, dq);
-                else
-                    item<false, false, true>(ctx, dk, dv, dq);
-            } else {
-                if (full)
-                    item<true, false>(ctx, dk, dv, dq);
-                else
-                    item<false, false>(ctx, dk, dv, dq);
-            }
+            dispatch_item(ctx, full, dk, dv, dq);
             __syncthreads();  // dSᵀ (and SPLIT: Pᵀ') complete
 
             if constexpr (SPLIT > 1 && GMMA) {
@@ -1154,9 +1205,183 @@ struct FlashBwd {
         store_rows(dk, p.scale, gdK, p.dk_row, warp_key, c_off, kv, p.d, lane_id);
         store_rows(dv, 1.f, gdV, p.dv_row, warp_key, c_off, kv, p.d, lane_id);
     }
+
+#if FA_BWD_WS
+    // Registers a thread after setmaxnreg: the block holds 384 · 168 (ptxas's count under
+    // __launch_bounds__(384, 1)); the consumers' increase waits for the registers the producer
+    // gave back, so the two must add up to no more.
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = (384 * 168 - 128 * PRODUCER_REGS) / 256;
+    static_assert(CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
+
+    // The warp-specialised kernel (fixed-length batches; one block per key tile, as `run`).
+    // Warps 0-7 (the consumers) run the items as `run` does, but without a block-wide barrier:
+    // each item's Q, dO, lse·log2(e) and D arrive in a ring of STAGES buffers whose "full"
+    // mbarrier they wait for, and whose "empty" one each consumer thread arrives on once its
+    // products are complete; the barrier around dSᵀ is named barrier 1 of the 256 consumers.
+    // Warp 8 (the producer; warps 9-11 leave) loads K and V once and then, STAGES items ahead of
+    // the consumers, each item's tiles by TMA (lane 0) and its lse and D rows (every lane, through
+    // registers: lse scaled as `scale_lse_rows` does), then arrives on the stage's "full" mbarrier
+    // (33 arrivals: lane 0's with the TMA's byte count, and one a lane after its stores).
+    // Each item's dQ product is issued after the dSᵀ barrier and waited for there; dSᵀ alternates
+    // between two buffers, since no barrier separates that product from the next item's stores.
+    static __device__ __forceinline__ void run_ws(const BwdWsParams& pp, char* smem) {
+        const BwdParams& p = pp.base;
+        const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
+        const int g = lane_id >> 2, t = lane_id & 3;
+        const BlockCoords bc = block_coords(p);
+        const int n_block = bc.n_block, b = bc.b, hkv = bc.hkv, sq = bc.sq, sk = bc.sk;
+        const int col0 = n_block * BC;
+        if (col0 >= sk) return;
+        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
+        const int off = sk - sq;
+        const int m_count = (sq + BR - 1) / BR;
+        int m_lo = m_count, m_hi = 0;
+        for (int m = 0; m < m_count; ++m) {
+            int lo, hi;
+            vis.key_range(m * BR, min(sq, (m + 1) * BR), lo, hi);
+            if (lo / BC <= n_block && n_block < (hi + BC - 1) / BC) {
+                m_lo = min(m_lo, m);
+                m_hi = m + 1;
+            }
+        }
+        const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + STAGES * Q_BYTES,
+                  sDS0 = sDO0 + STAGES * Q_BYTES, sL0 = sDS0 + 2 * DS_BYTES, sD0 = sL0 + STAGES * ROW_BYTES;
+        const u32 bar_kv = sD0 + STAGES * ROW_BYTES, bar_full = bar_kv + 8, bar_empty = bar_full + 8 * STAGES;
+        const int warp_key = 16 * warp;
+        const int per_head = max(m_hi - m_lo, 0);
+        const int work = per_head * p.group;
+
+        // As in `run` (no dQ piece is held across items here: [5, 6] unused).
+        __shared__ int s_info[7];
+        if (tid == 0) {
+            s_info[0] = b;
+            s_info[1] = 0;
+            s_info[2] = hkv * p.group;
+            s_info[3] = m_lo;
+            s_info[4] = per_head;
+            s_info[5] = 0;
+            s_info[6] = -1;
+            mbar_init(bar_kv, 1);
+            for (int st = 0; st < STAGES; ++st) {
+                mbar_init(bar_full + 8 * st, 33);
+                mbar_init(bar_empty + 8 * st, CONSUMERS);  // one arrival per consumer thread
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        const u32 info = smem_addr(s_info);
+        auto item_of = [&](int w, int& h, int& m) {
+            const int n = ld_shared_s32(info + 16);
+            const unsigned q = (unsigned)w / (unsigned)n;
+            h = ld_shared_s32(info + 8) + (int)q;
+            m = ld_shared_s32(info + 12) + (w - (int)q * n);
+        };
+        __syncthreads();  // s_info, the mbarriers
+
+        if (warp >= CONSUMERS / 32) {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+            if (warp != CONSUMERS / 32 || work == 0) return;
+            if (lane_id == 0) {
+                mbar_expect_tx(bar_kv, 2 * KV_BYTES);
+#pragma unroll
+                for (int c = 0; c < D / 64; ++c) {
+                    tma_load_4d(sK + (u32)(c * BC * 128), &pp.k, 64 * c, col0, hkv, b, bar_kv);
+                    tma_load_4d(sV + (u32)(c * BC * 128), &pp.v, 64 * c, col0, hkv, b, bar_kv);
+                }
+            }
+#pragma unroll 1
+            for (int w = 0; w < work; ++w) {
+                const int st = w % STAGES;
+                if (w >= STAGES) mbar_wait(bar_empty + 8 * st, (u32)((w / STAGES - 1) & 1));
+                int h, m;
+                item_of(w, h, m);
+                const int row0 = m * BR, rows_valid = min(BR, sq - row0);
+                const u32 full = bar_full + 8 * st;
+                if (lane_id == 0) {
+                    mbar_expect_tx(full, 2 * Q_BYTES);
+#pragma unroll
+                    for (int c = 0; c < D / 64; ++c) {
+                        tma_load_4d(sQ0 + (u32)(st * Q_BYTES + c * BR * 128), &pp.q, 64 * c, row0, h, b, full);
+                        tma_load_4d(sDO0 + (u32)(st * Q_BYTES + c * BR * 128), &pp.dout, 64 * c, row0, h, b, full);
+                    }
+                }
+                const long long li = b * p.lse_batch + h * p.lse_head + row0;
+#pragma unroll
+                for (int r = lane_id; r < BR; r += 32) {
+                    float l = 0.f, dd = 0.f;
+                    if (r < rows_valid) {
+                        l = p.lse[li + r];
+                        dd = p.dpsum[li + r];
+                    }
+                    l = (l == -FA_INF) ? FA_INF : l * FA_LOG2E;
+                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sL0 + (u32)(st * ROW_BYTES + 4 * r)), "f"(l)
+                                 : "memory");
+                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sD0 + (u32)(st * ROW_BYTES + 4 * r)), "f"(dd)
+                                 : "memory");
+                }
+                mbar_arrive(full);
+            }
+            return;
+        }
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+
+        FragC dk[DT], dv[DT], dq[DQ_FRAGS];
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DQ_FRAGS; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[i].x[e] = 0.f;
+
+        if (work > 0) mbar_wait(bar_kv, 0);
+        for (int w = 0; w < work; ++w) {
+            const int st = w % STAGES;
+            int h, m;
+            item_of(w, h, m);
+            const int row0 = m * BR;
+            const int rows_valid = min(BR, sq - row0);
+            const float slope = p.mod.slope(b, h, p.hq);
+            const int lane = (int)opaque((u32)lane_id);
+            const u32 sQ = sQ0 + (u32)(st * Q_BYTES), sDO = sDO0 + (u32)(st * Q_BYTES);
+            const u32 sL = sL0 + (u32)(st * ROW_BYTES), sD = sD0 + (u32)(st * ROW_BYTES);
+            const u32 sDS = sDS0 + (u32)((w & 1) * DS_BYTES);
+            const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
+            const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
+            const ItemCtx ctx{&p,   sK,  sV,   sQ,    sDO,  sDS,   l_base, d_base, vis,     row0,    rows_valid,
+                              col0, off, warp_key, lane, g, t, b, h, tid, warp, info, modded, drop, slope, nullptr, 0u, 0};
+            const bool full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
+            mbar_wait(bar_full + 8 * st, (u32)((w / STAGES) & 1));
+            dispatch_item(ctx, full, dk, dv, dq);
+            // This thread's products and reads of the item are complete: once every consumer
+            // thread says so, its stage may be refilled. (Every thread arrives, rather than one a
+            // warp after __syncwarp: the producer rewrites the lse and D rows with plain stores,
+            // and racecheck orders each read before them only through that thread's own release.)
+            mbar_arrive(bar_empty + 8 * st);
+            consumers_sync();  // dSᵀ complete
+            add_dq_in_order(p, vis, b, h, m, 0, n_block, tid, [&](float* acc, long long acc_row, int rows_valid) {
+                accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
+            });
+        }
+        const long long k0 = col0;
+        const int kv = min(BC, sk - col0);
+        u16* gdK = p.dk + b * p.dk_batch + k0 * p.dk_row + hkv * p.dk_head;
+        u16* gdV = p.dv + b * p.dv_batch + k0 * p.dv_row + hkv * p.dv_head;
+        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, 0, kv, p.d, lane_id);
+        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, 0, kv, p.d, lane_id);
+    }
+#endif
 };
 
-#if FA_WGMMA
+#if FA_BWD_WS
+// The consumer warpgroups and the producer warpgroup: one block per multiprocessor.
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 + 128, 1) flash_bwd(const __grid_constant__ BwdWsParams p) {
+    extern __shared__ __align__(128) char smem[];
+    const u32 base = smem_addr(smem);
+    FlashBwd<FA_D, FA_BR, FA_WARPS, FA_BF16 != 0>::run_ws(p, smem + (((base + 1023u) & ~1023u) - base));
+}
+#elif FA_WGMMA
 // One warpgroup per block (64 keys): two blocks per multiprocessor; two warpgroups: one.
 #define FA_MIN_BLOCKS (FA_WARPS == 4 ? 2 : 1)
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, FA_MIN_BLOCKS) flash_bwd(const BwdParams p) {
