@@ -477,9 +477,10 @@ pub struct BwdVariant {
     /// multiple of 4, a warpgroup's 64 keys per product).
     pub wgmma: bool,
     /// Whether this is the warp-specialised Hopper kernel (`FA_BWD_WS`: a producer warpgroup
-    /// more, loading each work item's tiles by TMA into a ring of mbarrier-guarded buffers, the
-    /// `warps` consumer warps without a block-wide barrier an item): `wgmma`, 8 warps, tile widths
-    /// 64 and 128, fixed-length batches, no block-sparse mask.
+    /// more, loading each work item's tiles by TMA into a ring of mbarrier-guarded buffers and
+    /// adding each item's dQ tile to the accumulator by TMA reductions, the `warps` consumer warps
+    /// without a block-wide barrier an item): `wgmma`, 8 warps, tile widths 64 and 128,
+    /// fixed-length batches, no block-sparse mask.
     pub ws: bool,
 }
 
@@ -535,11 +536,13 @@ impl BwdVariant {
         let ds_buffers = if self.defers_dq() || self.ws { 2 } else { 1 };
         let p_buffers = usize::from(self.split() > 1);
         let stages = self.stages();
-        let barriers = if self.ws { 8 * (1 + 2 * stages) } else { 0 };
+        // The warp-specialised kernel's f32 dQ tile and mbarriers.
+        let (dq_tile, barriers) = if self.ws { (self.br * self.d * 4, 8 * (3 + 2 * stages)) } else { (0, 0) };
         2 * bc * self.d * 2
             + 2 * stages * self.br * self.d * 2
             + (ds_buffers + p_buffers) * bc * self.br * 2
             + 2 * stages * self.br * 4
+            + dq_tile
             + barriers
             + align
     }
@@ -646,8 +649,8 @@ impl BwdVariant {
 
     /// The variant for a problem on `arch`: [`BwdVariant::default_on`], as the warp-specialised
     /// kernel ([`BwdVariant::ws`]) where it has one and the problem suits it: a fixed-length
-    /// batch (`fixed_length`) with no optional path, at tile widths 64 and 128 (measured 2-9%
-    /// faster than the other Hopper kernel there, docs/cuda-notes.md).
+    /// batch (`fixed_length`) with no optional path, at tile widths 64 and 128 (its backward
+    /// measured 1.11-1.34x the other Hopper kernel's on an H100, docs/cuda-notes.md).
     pub fn for_problem(
         arch: &Arch,
         dtype: DType,

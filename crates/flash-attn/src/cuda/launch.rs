@@ -347,6 +347,8 @@ struct BwdWsParams {
     k: TmaDesc,
     v: TmaDesc,
     dout: TmaDesc,
+    /// The f32 dQ accumulator, for the TMA's reductions.
+    dq: TmaDesc,
     base: BwdParams,
 }
 
@@ -642,15 +644,21 @@ fn tensor_map(what: &str, ptr: u64, dims: &[u64], strides: &[u64], boxes: &[u32]
     tensor_map_of(what, ptr, 1, dims, strides, boxes)
 }
 
-/// [`tensor_map`] for elements of `elem` bytes (1 or 2).
+/// [`tensor_map`] for elements of `elem` bytes: 1 or 2 (integers: e4m3, bf16, f16 move as
+/// bits), or 4 (`f32`, for the TMA's reductions).
 fn tensor_map_of(what: &str, ptr: u64, elem: usize, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<TmaDesc> {
     use cudarc::driver::sys;
     let rank = dims.len();
-    if elem != 1 && elem != 2 {
-        return Err(Error::Unsupported(format!(
-            "`{what}`: TMA descriptors here take 1- or 2-byte elements, not {elem}"
-        )));
-    }
+    let data_type = match elem {
+        1 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        2 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        4 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        _ => {
+            return Err(Error::Unsupported(format!(
+                "`{what}`: TMA descriptors here take 1-, 2- or 4-byte elements, not {elem}"
+            )))
+        }
+    };
     if strides.len() + 1 != rank || boxes.len() != rank || strides.iter().any(|&s| s % 16 != 0 || s >= 1 << 40) {
         return Err(Error::Unsupported(format!(
             "`{what}`: strides {strides:?} cannot be described to the TMA (multiples of 16 bytes below 2^40)"
@@ -663,11 +671,7 @@ fn tensor_map_of(what: &str, ptr: u64, elem: usize, dims: &[u64], strides: &[u64
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
-            if elem == 2 {
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16
-            } else {
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8
-            },
+            data_type,
             rank as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -1199,6 +1203,16 @@ pub(crate) fn backward<T: CudaElement>(
                 k: tensor_map_of("k", kp, elem, &kd, &bytes(&g.k), &[64, keys, 1, 1])?,
                 v: tensor_map_of("v", vp, elem, &kd, &bytes(&g.v), &[64, keys, 1, 1])?,
                 dout: tensor_map_of("dout", dop, elem, &qd, &bytes(&x.dout_layout), &[64, rows, 1, 1])?,
+                // dQaccum, [b][sq][hq][w] (w the tile width) in f32, boxes of 32 columns (128
+                // bytes) by a tile's rows; columns past d are outside it.
+                dq: tensor_map_of(
+                    "dq_accum",
+                    accp,
+                    4,
+                    &[d, u(g.hq), u(g.max_sq.max(1)), bn],
+                    &[u(variant.d * 4), u(g.hq * variant.d * 4), u(g.max_sq.max(1) * g.hq * variant.d * 4)],
+                    &[32, 1, rows, 1],
+                )?,
                 base: params,
             };
             b.arg(&ws_params);

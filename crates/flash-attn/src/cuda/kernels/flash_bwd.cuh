@@ -107,6 +107,7 @@ struct BwdParams {
 // field `BwdWsParams` in src/cuda/launch.rs.
 struct alignas(128) BwdWsParams {
     TmaDesc q, k, v, dout;
+    TmaDesc dq;  // dQaccum (f32) [b][sq][hq][FA_D]: boxes of 32 columns by a tile's rows, 128-byte swizzle
     BwdParams base;
 };
 #endif
@@ -281,13 +282,18 @@ struct FlashBwd {
     static_assert(STAGES >= 2, "a ring of at least two buffers");
     static constexpr int CONSUMERS = THREADS;  // the threads that run the items
     // K, V | Q[STAGES], dO[STAGES] | dSᵀ[DS_BUFS] | Pᵀ (SPLIT) | lse[STAGES], D[STAGES]
-    // | WS: the mbarriers (K and V full; each stage's full and empty)
-    static constexpr int BAR_BYTES = WS ? 8 * (1 + 2 * STAGES) : 0;
+    // | WS: the f32 dQ tile (D / 32 column blocks of BR rows of 128 bytes, the 128-byte swizzle:
+    // the TMA's boxes), the mbarriers (K and V full; each stage's full and empty; dQ full and
+    // empty)
+    static constexpr int DQ_BYTES = WS ? BR * D * 4 : 0;
+    static constexpr int BAR_BYTES = WS ? 8 * (3 + 2 * STAGES) : 0;
     // dSᵀ buffers: two where an item's dSᵀ is written before every consumer is past the previous
     // item's dQ product (DEFER_DQ, and the warp-specialised kernel, with no barrier between them).
     static constexpr int DS_BUFS = DEFER_DQ || WS ? 2 : 1;
+    static_assert(!WS || (2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + 2 * STAGES * ROW_BYTES) % 1024 == 0,
+                  "the dQ tile (after K, V, the ring, dSᵀ and the rows) starts on the swizzle's 1024-byte period");
     static constexpr int SMEM_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + P_BYTES +
-                                      2 * STAGES * ROW_BYTES + BAR_BYTES;  // = BwdVariant::smem_bytes
+                                      2 * STAGES * ROW_BYTES + DQ_BYTES + BAR_BYTES;  // = BwdVariant::smem_bytes
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
     // Hopper: Sᵀ and dPᵀ issued together, dV left in flight under dSᵀ, at 64 queries per tile.
     // With 128 (or with the extras at d 128), that many live registers spill, so dPᵀ is issued
@@ -1207,6 +1213,25 @@ struct FlashBwd {
     }
 
 #if FA_BWD_WS
+    // This warp's rows of a completed dQ piece (issue_dq) into the dQ tile in shared memory:
+    // column c of row r in block c / 32, 16-byte chunk (c % 32) / 4 of the row swizzled by r % 8.
+    static __device__ __forceinline__ void store_dq(const FragC (&d)[NQ / 8], u32 sDQ, int warp, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+        const int wg = warp / 4, m0 = 64 * (wg / NSPLIT), n0 = NQ * (wg % NSPLIT);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + 16 * (warp % 4) + g + 8 * r;
+            const u32 base = sDQ + (u32)(row * 128 + (t & 1) * 8);
+#pragma unroll
+            for (int n = 0; n < NQ / 8; ++n) {
+                const int col = n0 + 8 * n + 2 * t;
+                const u32 dst = base + (u32)((col / 32) * BR * 128 + ((((col % 32) / 4) ^ (row & 7)) * 16));
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(d[n].x[2 * r]), "f"(d[n].x[2 * r + 1])
+                             : "memory");
+            }
+        }
+    }
+
     // Registers a thread after setmaxnreg: the block holds 384 · 168 (ptxas's count under
     // __launch_bounds__(384, 1)); the consumers' increase waits for the registers the producer
     // gave back, so the two must add up to no more.
@@ -1219,12 +1244,17 @@ struct FlashBwd {
     // each item's Q, dO, lse·log2(e) and D arrive in a ring of STAGES buffers whose "full"
     // mbarrier they wait for, and whose "empty" one each consumer thread arrives on once its
     // products are complete; the barrier around dSᵀ is named barrier 1 of the 256 consumers.
-    // Warp 8 (the producer; warps 9-11 leave) loads K and V once and then, STAGES items ahead of
+    // Warp 8 (the producer; warps 10-11 leave) loads K and V once and then, STAGES items ahead of
     // the consumers, each item's tiles by TMA (lane 0) and its lse and D rows (every lane, through
     // registers: lse scaled as `scale_lse_rows` does), then arrives on the stage's "full" mbarrier
     // (33 arrivals: lane 0's with the TMA's byte count, and one a lane after its stores).
-    // Each item's dQ product is issued after the dSᵀ barrier and waited for there; dSᵀ alternates
-    // between two buffers, since no barrier separates that product from the next item's stores.
+    // Each item's dQ product is issued after the dSᵀ barrier and waited for there, and its piece
+    // stored to a dQ tile in shared memory, which warp 9 (the dQ warp) adds to dQaccum with TMA
+    // reductions (the "dQ full" and "dQ empty" mbarriers hand the tile over and back): the
+    // consumers issue no `red` and hold no global address for dQ. In
+    // deterministic mode the consumers add it with `red` in key-tile order, as `run` does. dSᵀ
+    // alternates between two buffers, since no barrier separates the dQ product from the next
+    // item's stores.
     static __device__ __forceinline__ void run_ws(const BwdWsParams& pp, char* smem) {
         const BwdParams& p = pp.base;
         const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
@@ -1247,7 +1277,9 @@ struct FlashBwd {
         }
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + STAGES * Q_BYTES,
                   sDS0 = sDO0 + STAGES * Q_BYTES, sL0 = sDS0 + 2 * DS_BYTES, sD0 = sL0 + STAGES * ROW_BYTES;
-        const u32 bar_kv = sD0 + STAGES * ROW_BYTES, bar_full = bar_kv + 8, bar_empty = bar_full + 8 * STAGES;
+        const u32 sDQ = sD0 + STAGES * ROW_BYTES;
+        const u32 bar_kv = sDQ + DQ_BYTES, bar_full = bar_kv + 8, bar_empty = bar_full + 8 * STAGES;
+        const u32 bar_dq_full = bar_empty + 8 * STAGES, bar_dq_empty = bar_dq_full + 8;
         const int warp_key = 16 * warp;
         const int per_head = max(m_hi - m_lo, 0);
         const int work = per_head * p.group;
@@ -1267,6 +1299,8 @@ struct FlashBwd {
                 mbar_init(bar_full + 8 * st, 33);
                 mbar_init(bar_empty + 8 * st, CONSUMERS);  // one arrival per consumer thread
             }
+            mbar_init(bar_dq_full, CONSUMERS);
+            mbar_init(bar_dq_empty, 1);  // the dQ warp's issuing thread
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
         const u32 info = smem_addr(s_info);
@@ -1280,7 +1314,35 @@ struct FlashBwd {
 
         if (warp >= CONSUMERS / 32) {
             asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
-            if (warp != CONSUMERS / 32 || work == 0) return;
+            if (work == 0) return;
+            if (warp == CONSUMERS / 32 + 1 && !p.deterministic) {
+                // The dQ warp: each item's dQ tile, once the consumers stored it, added to dQaccum
+                // by TMA reductions (one a 32-column block; rows past the sequence and columns
+                // past d fall outside the tensor map and are not written), read out of shared
+                // memory before the tile is handed back. (Deterministic mode: the consumers add it
+                // in key-tile order themselves.)
+                if (lane_id != 0) return;
+#pragma unroll 1
+                for (int w = 0; w < work; ++w) {
+                    int h, m;
+                    item_of(w, h, m);
+                    mbar_wait(bar_dq_full, (u32)(w & 1));
+#pragma unroll
+                    for (int c = 0; c < D / 32; ++c)
+                        if (32 * c < p.d)
+                            asm volatile(
+                                "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, "
+                                "%4}], [%5];\n" ::"l"(&pp.dq),
+                                "r"(32 * c), "r"(h), "r"(m * BR), "r"(b), "r"(sDQ + (u32)(c * BR * 128))
+                                : "memory");
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                    mbar_arrive(bar_dq_empty);
+                }
+                asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+                return;
+            }
+            if (warp != CONSUMERS / 32) return;
             if (lane_id == 0) {
                 mbar_expect_tx(bar_kv, 2 * KV_BYTES);
 #pragma unroll
@@ -1360,9 +1422,22 @@ struct FlashBwd {
             // and racecheck orders each read before them only through that thread's own release.)
             mbar_arrive(bar_empty + 8 * st);
             consumers_sync();  // dSᵀ complete
-            add_dq_in_order(p, vis, b, h, m, 0, n_block, tid, [&](float* acc, long long acc_row, int rows_valid) {
-                accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
-            });
+            if (p.deterministic) {
+                add_dq_in_order(p, vis, b, h, m, 0, n_block, tid, [&](float* acc, long long acc_row, int rows_valid) {
+                    accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
+                });
+            } else {
+                // dQ of the item to shared memory, for the dQ warp's TMA reductions, once it has
+                // read the previous item's.
+                if (w > 0) mbar_wait(bar_dq_empty, (u32)((w - 1) & 1));
+                FragC d[NQ / 8];
+                issue_dq(d, sDS, sK, warp);
+                wgmma_wait<0>();
+                fence_operands(d);
+                store_dq(d, sDQ, warp, lane);  // (padding columns: stored, never reduced)
+                fence_proxy_async();  // the stores, to the bulk reductions' async proxy
+                mbar_arrive(bar_dq_full);
+            }
         }
         const long long k0 = col0;
         const int kv = min(BC, sk - col0);
