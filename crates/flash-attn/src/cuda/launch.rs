@@ -461,7 +461,9 @@ pub(crate) fn fp8_supported(g: &Geometry<'_>, arch: &Arch, scales: crate::Fp8Sca
 /// The backward variant for this problem, or why the CUDA backward cannot run it.
 pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<BwdVariant> {
     let width = check_supported(g, dtype, true)?;
-    BwdVariant::for_problem(arch, dtype, width, needs_extras(g), !g.varlen)
+    // (No query rows: the other kernel, which only writes zero dk and dv, and needs no tensor map
+    // of the empty q and dout.)
+    BwdVariant::for_problem(arch, dtype, width, needs_extras(g), !g.varlen && g.max_sq > 0)
         .ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
 }
 
@@ -1335,6 +1337,12 @@ mod tests {
         // Head dims the 128 tile pads take it too (its TMA boxes read zeros past d); 256 does not.
         assert!(name(96, plain(), "sm_90a").ends_with("_d128_r64_w8_h_ws"), "{}", name(96, plain(), "sm_90a"));
         assert!(!name(256, plain(), "sm_90a").contains("_ws"));
+        // No query rows: the other Hopper kernel (it writes zero dk and dv; no tensor map of q).
+        let (xq, xk) = (vec![(); 0], vec![(); b * s * h * 64]);
+        let (tq, tk) = (Tensor::new(&xq, &[b, 0, h, 64]), Tensor::new(&xk, &[b, s, h, 64]));
+        let g = Geometry::new(&plain(), &tq, &tk, &tk).expect("geometry");
+        let v = supported_backward(&g, DType::BF16, &Arch("sm_90a".into())).expect("a variant");
+        assert!(v.wgmma && !v.ws, "{}", v.name());
         // Varlen: the other Hopper kernel.
         let x = vec![(); 100 * h * 64];
         let t = Tensor::new(&x, &[100, h, 64]);

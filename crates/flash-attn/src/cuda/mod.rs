@@ -291,6 +291,10 @@ impl Device {
             convert: load("flash_bwd_convert")?,
         };
         allow_dynamic_smem(&f.main, variant.smem_bytes())?;
+        if variant.ws {
+            // Its setmaxnreg split assumes 168 registers a thread, as the forward's does.
+            check_ws_registers(&f.main, &variant.name())?;
+        }
         map.insert(*variant, f.clone());
         Ok(f)
     }

@@ -1284,7 +1284,7 @@ struct FlashBwd {
         const int per_head = max(m_hi - m_lo, 0);
         const int work = per_head * p.group;
 
-        // As in `run` (no dQ piece is held across items here: [5, 6] unused).
+        // As in `run` (only [2, 3, 4], which item_of reads, are read here).
         __shared__ int s_info[7];
         if (tid == 0) {
             s_info[0] = b;
@@ -1318,8 +1318,8 @@ struct FlashBwd {
             if (warp == CONSUMERS / 32 + 1 && !p.deterministic) {
                 // The dQ warp: each item's dQ tile, once the consumers stored it, added to dQaccum
                 // by TMA reductions (one a 32-column block; rows past the sequence and columns
-                // past d fall outside the tensor map and are not written), read out of shared
-                // memory before the tile is handed back. (Deterministic mode: the consumers add it
+                // past d fall outside the tensor map and are not written, and blocks wholly past
+                // d are not issued), read out of shared memory before the tile is handed back. (Deterministic mode: the consumers add it
                 // in key-tile order themselves.)
                 if (lane_id != 0) return;
 #pragma unroll 1

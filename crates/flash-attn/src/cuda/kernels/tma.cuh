@@ -1,6 +1,7 @@
-// TMA, mbarrier and named-barrier helpers (sm_90a) for the warp-specialised forward
-// (flash_fwd_ws.cuh): a tensor-map descriptor as the kernels take it, tile loads that complete on
-// an mbarrier, and the waits and arrivals of a producer/consumer pipeline.
+// TMA, mbarrier and named-barrier helpers (sm_90a) for the warp-specialised kernels
+// (flash_fwd_ws.cuh, and flash_bwd.cuh's run_ws): a tensor-map descriptor as the kernels take it,
+// tile loads that complete on an mbarrier, and the waits and arrivals of a producer/consumer
+// pipeline.
 
 #if !FA_FWD_ENTRY && FA_WGMMA
 
