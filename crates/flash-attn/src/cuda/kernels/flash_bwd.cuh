@@ -961,6 +961,23 @@ struct FlashBwd {
 #endif
     }
 
+    // The query tiles m_lo .. m_hi - 1 that see key tile n_block: those whose key range (as the
+    // forward and the deterministic ordering compute it) covers it. Monotone spans make them
+    // contiguous; none: m_lo >= m_hi.
+    static __device__ __forceinline__ void query_tiles(const Visibility& vis, int n_block, int& m_lo, int& m_hi) {
+        const int m_count = (vis.sq + BR - 1) / BR;
+        m_lo = m_count;
+        m_hi = 0;
+        for (int m = 0; m < m_count; ++m) {
+            int lo, hi;
+            vis.key_range(m * BR, min(vis.sq, (m + 1) * BR), lo, hi);
+            if (lo / BC <= n_block && n_block < (hi + BC - 1) / BC) {
+                m_lo = min(m_lo, m);
+                m_hi = m + 1;
+            }
+        }
+    }
+
     // One item, on the copy of `item` compiled for its case.
     static __device__ __forceinline__ void dispatch_item(const ItemCtx& ctx, bool full, FragC (&dk)[DT],
                                                          FragC (&dv)[DT], FragC (&dq)[DQ_FRAGS]) {
@@ -996,18 +1013,8 @@ struct FlashBwd {
         const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
         const int off = sk - sq;
 
-        // The query tiles that see this key tile: those whose key range (as the forward and the
-        // deterministic ordering compute it) covers it. Monotone spans make them contiguous.
-        const int m_count = (sq + BR - 1) / BR;
-        int m_lo = m_count, m_hi = 0;
-        for (int m = 0; m < m_count; ++m) {
-            int lo, hi;
-            vis.key_range(m * BR, min(sq, (m + 1) * BR), lo, hi);
-            if (lo / BC <= n_block && n_block < (hi + BC - 1) / BC) {
-                m_lo = min(m_lo, m);
-                m_hi = m + 1;
-            }
-        }
+        int m_lo, m_hi;
+        query_tiles(vis, n_block, m_lo, m_hi);
 
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + STAGES * Q_BYTES,
                   sDS0 = sDO0 + STAGES * Q_BYTES, sP = sDS0 + DS_BUFS * DS_BYTES, sL0 = sP + P_BYTES,
@@ -1265,16 +1272,8 @@ struct FlashBwd {
         if (col0 >= sk) return;
         const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
         const int off = sk - sq;
-        const int m_count = (sq + BR - 1) / BR;
-        int m_lo = m_count, m_hi = 0;
-        for (int m = 0; m < m_count; ++m) {
-            int lo, hi;
-            vis.key_range(m * BR, min(sq, (m + 1) * BR), lo, hi);
-            if (lo / BC <= n_block && n_block < (hi + BC - 1) / BC) {
-                m_lo = min(m_lo, m);
-                m_hi = m + 1;
-            }
-        }
+        int m_lo, m_hi;
+        query_tiles(vis, n_block, m_lo, m_hi);
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + STAGES * Q_BYTES,
                   sDS0 = sDO0 + STAGES * Q_BYTES, sL0 = sDS0 + 2 * DS_BYTES, sD0 = sL0 + STAGES * ROW_BYTES;
         const u32 sDQ = sD0 + STAGES * ROW_BYTES;
