@@ -961,6 +961,28 @@ struct FlashBwd {
 #endif
     }
 
+    // dK, dV and the dQ piece held across items, zeroed.
+    static __device__ __forceinline__ void zero_accumulators(FragC (&dk)[DT], FragC (&dv)[DT], FragC (&dq)[DQ_FRAGS]) {
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DQ_FRAGS; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[i].x[e] = 0.f;
+    }
+
+    // Work item w of the block: query head s_info[2] + w / s_info[4], query tile s_info[3] +
+    // w % s_info[4] (the group's first query head, the first tile that sees the key tile, the
+    // tiles per head; `info` is s_info's address).
+    static __device__ __forceinline__ void item_at(u32 info, int w, int& h, int& m) {
+        const int n = ld_shared_s32(info + 16);
+        const unsigned q = (unsigned)w / (unsigned)n;
+        h = ld_shared_s32(info + 8) + (int)q;
+        m = ld_shared_s32(info + 12) + (w - (int)q * n);
+    }
+
     // The query tiles m_lo .. m_hi - 1 that see key tile n_block: those whose key range (as the
     // forward and the deterministic ordering compute it) covers it. Monotone spans make them
     // contiguous; none: m_lo >= m_hi.
@@ -1048,22 +1070,9 @@ struct FlashBwd {
         const u16* gV = p.v + b * p.v_batch + (long long)(bc.k_start + col0) * p.v_row + hkv * p.v_head;
 
         FragC dk[DT], dv[DT], dq[DQ_FRAGS];
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DQ_FRAGS; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dq[i].x[e] = 0.f;
+        zero_accumulators(dk, dv, dq);
 
-        // Work item w: query head hkv · group + w / per_head, query tile m_lo + w % per_head.
-        auto item_of = [&](int w, int& h, int& m) {
-            const int n = ld_shared_s32(info + 16);
-            const unsigned q = (unsigned)w / (unsigned)n;
-            h = ld_shared_s32(info + 8) + (int)q;
-            m = ld_shared_s32(info + 12) + (w - (int)q * n);
-        };
+        auto item_of = [&](int w, int& h, int& m) { item_at(info, w, h, m); };
 
         // Starts the copies of query tile m of query head h into buffer `buf`.
         auto prefetch = [&](int h, int m, int buf) {
@@ -1303,12 +1312,7 @@ struct FlashBwd {
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
         const u32 info = smem_addr(s_info);
-        auto item_of = [&](int w, int& h, int& m) {
-            const int n = ld_shared_s32(info + 16);
-            const unsigned q = (unsigned)w / (unsigned)n;
-            h = ld_shared_s32(info + 8) + (int)q;
-            m = ld_shared_s32(info + 12) + (w - (int)q * n);
-        };
+        auto item_of = [&](int w, int& h, int& m) { item_at(info, w, h, m); };
         __syncthreads();  // s_info, the mbarriers
 
         if (warp >= CONSUMERS / 32) {
@@ -1387,14 +1391,7 @@ struct FlashBwd {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 
         FragC dk[DT], dv[DT], dq[DQ_FRAGS];
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dk[dt].x[e] = dv[dt].x[e] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DQ_FRAGS; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dq[i].x[e] = 0.f;
+        zero_accumulators(dk, dv, dq);
 
         if (work > 0) mbar_wait(bar_kv, 0);
         for (int w = 0; w < work; ++w) {
