@@ -537,7 +537,7 @@ impl BwdVariant {
         let p_buffers = usize::from(self.split() > 1);
         let stages = self.stages();
         // The warp-specialised kernel's f32 dQ tile and mbarriers.
-        let (dq_tile, barriers) = if self.ws { (self.br * self.d * 4, 8 * (3 + 2 * stages)) } else { (0, 0) };
+        let (dq_tile, barriers) = if self.ws { (self.br * self.d * 4, 8 * (4 + 2 * stages)) } else { (0, 0) };
         2 * bc * self.d * 2
             + 2 * stages * self.br * self.d * 2
             + (ds_buffers + p_buffers) * bc * self.br * 2
@@ -573,8 +573,15 @@ impl BwdVariant {
     /// the softcap, ALiBi and block-mask operands of one element at once. That variant runs only
     /// problems that combine several optional paths at d > 128 on sm_80-class GPUs; its budget is
     /// 256 B.
+    ///
+    /// The warp-specialised kernel's producer warp runs on 24 registers (`setmaxnreg`, which
+    /// leaves the consumers 240): ptxas spills a few of its per-tile scalars (the scheduler's
+    /// loop bounds, hoisted out of the tile loop) there, 4 B at d = 128 and 28 B at d = 64, one
+    /// warp's loads and stores once a tile; the consumers spill nothing. Its budget is 32 B.
     pub fn spill_budget(&self) -> u32 {
-        if self.split() > 1 && self.extras == ExtraPaths::ALL && !self.wgmma {
+        if self.ws {
+            32
+        } else if self.split() > 1 && self.extras == ExtraPaths::ALL && !self.wgmma {
             256
         } else if self.d >= 128 && !self.wgmma {
             80

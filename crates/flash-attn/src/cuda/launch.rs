@@ -350,6 +350,8 @@ struct BwdWsParams {
     /// The f32 dQ accumulator, for the TMA's reductions.
     dq: TmaDesc,
     base: BwdParams,
+    /// The tile scheduler's counter: one `i32` of the scratch, zero at launch.
+    next_tile: u64,
 }
 
 // SAFETY: plain-old-data `#[repr(C)]`, mirrored by the kernel.
@@ -1018,6 +1020,8 @@ fn warp_grid(warps: usize) -> Result<u32> {
 pub(crate) struct BwdScratch {
     pub d_offset: usize,
     pub sem_offset: usize,
+    /// The warp-specialised kernel's tile-scheduler counter (one `i32`).
+    pub counter_offset: usize,
     pub bytes: usize,
 }
 
@@ -1029,7 +1033,8 @@ impl BwdScratch {
         let sem_offset = align(d_offset + 4 * g.lse_len().max(1));
         let num_m_blocks = g.max_sq.div_ceil(variant.br).max(1);
         let sems = if deterministic { g.seqs.len() * g.hq * num_m_blocks } else { 1 };
-        Self { d_offset, sem_offset, bytes: sem_offset + 4 * sems.max(1) }
+        let counter_offset = sem_offset + 4 * sems.max(1);
+        Self { d_offset, sem_offset, counter_offset, bytes: counter_offset + 4 }
     }
 }
 
@@ -1182,6 +1187,9 @@ pub(crate) fn backward<T: CudaElement>(
     }
     let blocks = num_n_blocks * batch * g.hk;
     if blocks > 0 {
+        // The warp-specialised kernel is persistent: a block a multiprocessor (fewer for fewer
+        // tiles), taking key tiles from the scheduler's counter.
+        let blocks = if variant.ws { blocks.min(multiprocessors(dev)?) } else { blocks };
         let grid =
             u32::try_from(blocks).map_err(|_| Error::Unsupported(format!("{blocks} key tiles is too large a grid")))?;
         let cfg = LaunchConfig {
@@ -1216,6 +1224,7 @@ pub(crate) fn backward<T: CudaElement>(
                     &[32, 1, rows, 1],
                 )?,
                 base: params,
+                next_tile: base + scratch.counter_offset as u64,
             };
             b.arg(&ws_params);
         } else {

@@ -109,6 +109,7 @@ struct alignas(128) BwdWsParams {
     TmaDesc q, k, v, dout;
     TmaDesc dq;  // dQaccum (f32) [b][sq][hq][FA_D]: boxes of 32 columns by a tile's rows, 128-byte swizzle
     BwdParams base;
+    int* next_tile;  // the tile scheduler's counter, zero at launch
 };
 #endif
 
@@ -198,7 +199,7 @@ __device__ __forceinline__ BlockCoords block_coords(const BwdParams& p) {
     asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bid));
     BlockCoords c;
     // Key tiles of one (sequence, kv head) are consecutive blocks, in order: the deterministic
-    // mode's waits only ever point at earlier blocks.
+    // mode's waits only ever point at earlier blocks (`run_ws`: tiles taken earlier; ws_tile).
     c.n_block = bid % p.num_n_blocks;
     const int bhk = bid / p.num_n_blocks;
     c.b = bhk / p.hk;
@@ -283,10 +284,10 @@ struct FlashBwd {
     static constexpr int CONSUMERS = THREADS;  // the threads that run the items
     // K, V | Q[STAGES], dO[STAGES] | dSᵀ[DS_BUFS] | Pᵀ (SPLIT) | lse[STAGES], D[STAGES]
     // | WS: the f32 dQ tile (D / 32 column blocks of BR rows of 128 bytes, the 128-byte swizzle:
-    // the TMA's boxes), the mbarriers (K and V full; each stage's full and empty; dQ full and
-    // empty)
+    // the TMA's boxes), the mbarriers (K and V full and empty; each stage's full and empty; dQ
+    // full and empty)
     static constexpr int DQ_BYTES = WS ? BR * D * 4 : 0;
-    static constexpr int BAR_BYTES = WS ? 8 * (3 + 2 * STAGES) : 0;
+    static constexpr int BAR_BYTES = WS ? 8 * (4 + 2 * STAGES) : 0;
     // dSᵀ buffers: two where an item's dSᵀ is written before every consumer is past the previous
     // item's dQ product (DEFER_DQ, and the warp-specialised kernel, with no barrier between them).
     static constexpr int DS_BUFS = DEFER_DQ || WS ? 2 : 1;
@@ -1255,54 +1256,66 @@ struct FlashBwd {
     static constexpr int CONSUMER_REGS = (384 * 168 - 128 * PRODUCER_REGS) / 256;
     static_assert(CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
 
-    // The warp-specialised kernel (fixed-length batches; one block per key tile, as `run`).
+    // Key tile `tile` of a fixed-length batch in `block_coords`' order: its index among the
+    // sequence's key tiles, the sequence, the kv head.
+    static __device__ __forceinline__ void ws_tile(const BwdParams& p, int tile, int& n_block, int& b, int& hkv) {
+        const int bhk = tile / p.num_n_blocks;
+        n_block = tile - bhk * p.num_n_blocks;
+        b = bhk / p.hk;
+        hkv = bhk - b * p.hk;
+    }
+
+    // The warp-specialised kernel (fixed-length batches), persistent: a grid of at most one block
+    // a multiprocessor, whose producer takes key tiles from a counter (the tile scheduler: tiles
+    // in `block_coords`' order, each to whichever block asks next, so that the blocks drawing
+    // short tiles take more and the grid ends together, and the tiles running at once are
+    // neighbours that read the same query tiles out of L2).
     // Warps 0-7 (the consumers) run the items as `run` does, but without a block-wide barrier:
     // each item's Q, dO, lse·log2(e) and D arrive in a ring of STAGES buffers whose "full"
     // mbarrier they wait for, and whose "empty" one each consumer thread arrives on once its
     // products are complete; the barrier around dSᵀ is named barrier 1 of the 256 consumers.
-    // Warp 8 (the producer; warps 10-11 leave) loads K and V once and then, STAGES items ahead of
-    // the consumers, each item's tiles by TMA (lane 0) and its lse and D rows (every lane, through
-    // registers: lse scaled as `scale_lse_rows` does), then arrives on the stage's "full" mbarrier
-    // (33 arrivals: lane 0's with the TMA's byte count, and one a lane after its stores).
+    // Warp 8 (the producer; warps 10-11 leave) loads each tile's K and V (once the consumers
+    // have arrived on "K/V empty" after the previous tile's last product, and after the tile's
+    // first item, so that it lands under the previous tile's last item and epilogue) and,
+    // STAGES items ahead of the consumers, each item's tiles by TMA (lane 0) and its lse and D
+    // rows (every lane, through registers: lse scaled as `scale_lse_rows` does), then arrives on
+    // the stage's "full" mbarrier (33 arrivals: lane 0's with the TMA's byte count, and one a lane
+    // after its stores). The tile of each K/V load is left in `s_tile` before the "K/V full"
+    // arrival that publishes it (-1 and a bare arrival: no more tiles).
     // Each item's dQ product is issued after the dSᵀ barrier and waited for there, and its piece
     // stored to a dQ tile in shared memory, which warp 9 (the dQ warp) adds to dQaccum with TMA
-    // reductions (the "dQ full" and "dQ empty" mbarriers hand the tile over and back): the
-    // consumers issue no `red` and hold no global address for dQ. In
-    // deterministic mode the consumers add it with `red` in key-tile order, as `run` does. dSᵀ
-    // alternates between two buffers, since no barrier separates the dQ product from the next
-    // item's stores.
+    // reductions (the "dQ full" and "dQ empty" mbarriers hand the tile over and back, with the
+    // item's coordinates in `s_dq`): the consumers issue no `red` and hold no global address for
+    // dQ. In deterministic mode the consumers add it with `red` in key-tile order, as `run` does
+    // (the tiles are taken in order by running blocks, so a wait for the tile before always
+    // ends). dSᵀ alternates between two buffers, since no barrier separates the dQ product from
+    // the next item's stores.
     static __device__ __forceinline__ void run_ws(const BwdWsParams& pp, char* smem) {
         const BwdParams& p = pp.base;
         const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
         const int g = lane_id >> 2, t = lane_id & 3;
-        const BlockCoords bc = block_coords(p);
-        const int n_block = bc.n_block, b = bc.b, hkv = bc.hkv, sq = bc.sq, sk = bc.sk;
-        const int col0 = n_block * BC;
-        if (col0 >= sk) return;
-        const Visibility vis{sq, sk, sk - sq, p.causal, p.window_left, p.window_right};
-        const int off = sk - sq;
-        int m_lo, m_hi;
-        query_tiles(vis, n_block, m_lo, m_hi);
+        // Fixed-length batches: every sequence has sq queries and sk keys, and a tile holds keys
+        // (num_n_blocks = ceil(sk / BC)).
+        const int tiles = p.num_n_blocks * p.batch * p.hk;
+        const Visibility vis{p.sq, p.sk, p.sk - p.sq, p.causal, p.window_left, p.window_right};
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + STAGES * Q_BYTES,
                   sDS0 = sDO0 + STAGES * Q_BYTES, sL0 = sDS0 + 2 * DS_BYTES, sD0 = sL0 + STAGES * ROW_BYTES;
         const u32 sDQ = sD0 + STAGES * ROW_BYTES;
-        const u32 bar_kv = sDQ + DQ_BYTES, bar_full = bar_kv + 8, bar_empty = bar_full + 8 * STAGES;
+        const u32 bar_kv = sDQ + DQ_BYTES, bar_kv_empty = bar_kv + 8, bar_full = bar_kv_empty + 8,
+                  bar_empty = bar_full + 8 * STAGES;
         const u32 bar_dq_full = bar_empty + 8 * STAGES, bar_dq_empty = bar_dq_full + 8;
-        const int warp_key = 16 * warp;
-        const int per_head = max(m_hi - m_lo, 0);
-        const int work = per_head * p.group;
 
-        // As in `run` (only [2, 3, 4], which item_of reads, are read here).
-        __shared__ int s_info[7];
+        // Each K/V load's tile, at [load % 2]: the tile's index (-1: no more), its sequence, its
+        // first query head (kv head · group), first query tile and query tiles a head (item_at's
+        // layout), its index among the sequence's key tiles and its kv head. The producer writes
+        // them before the load's "K/V full" arrival; the consumers read them there (every item:
+        // in registers across the item loop they would cost the item's code registers).
+        __shared__ __align__(16) int s_tile[2][8];
+        __shared__ int s_dq[3];  // the item whose dQ is in the tile: h, m, b; h = -1: no more
+        const u32 tile_slot = smem_addr(&s_tile[0][0]), dq_slot = smem_addr(s_dq);
         if (tid == 0) {
-            s_info[0] = b;
-            s_info[1] = 0;
-            s_info[2] = hkv * p.group;
-            s_info[3] = m_lo;
-            s_info[4] = per_head;
-            s_info[5] = 0;
-            s_info[6] = -1;
             mbar_init(bar_kv, 1);
+            mbar_init(bar_kv_empty, CONSUMERS);
             for (int st = 0; st < STAGES; ++st) {
                 mbar_init(bar_full + 8 * st, 33);
                 mbar_init(bar_empty + 8 * st, CONSUMERS);  // one arrival per consumer thread
@@ -1311,25 +1324,22 @@ struct FlashBwd {
             mbar_init(bar_dq_empty, 1);  // the dQ warp's issuing thread
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
-        const u32 info = smem_addr(s_info);
-        auto item_of = [&](int w, int& h, int& m) { item_at(info, w, h, m); };
-        __syncthreads();  // s_info, the mbarriers
+        __syncthreads();  // the mbarriers
 
         if (warp >= CONSUMERS / 32) {
             asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
-            if (work == 0) return;
             if (warp == CONSUMERS / 32 + 1 && !p.deterministic) {
                 // The dQ warp: each item's dQ tile, once the consumers stored it, added to dQaccum
                 // by TMA reductions (one a 32-column block; rows past the sequence and columns
                 // past d fall outside the tensor map and are not written, and blocks wholly past
-                // d are not issued), read out of shared memory before the tile is handed back. (Deterministic mode: the consumers add it
-                // in key-tile order themselves.)
+                // d are not issued), read out of shared memory before the tile is handed back.
+                // (Deterministic mode: the consumers add it in key-tile order themselves.)
                 if (lane_id != 0) return;
 #pragma unroll 1
-                for (int w = 0; w < work; ++w) {
-                    int h, m;
-                    item_of(w, h, m);
-                    mbar_wait(bar_dq_full, (u32)(w & 1));
+                for (int n = 0;; ++n) {
+                    mbar_wait(bar_dq_full, (u32)(n & 1));
+                    const int h = ld_shared_s32(dq_slot), m = ld_shared_s32(dq_slot + 4), b = ld_shared_s32(dq_slot + 8);
+                    if (h < 0) break;
 #pragma unroll
                     for (int c = 0; c < D / 32; ++c)
                         if (32 * c < p.d)
@@ -1346,101 +1356,179 @@ struct FlashBwd {
                 return;
             }
             if (warp != CONSUMERS / 32) return;
-            if (lane_id == 0) {
-                mbar_expect_tx(bar_kv, 2 * KV_BYTES);
-#pragma unroll
-                for (int c = 0; c < D / 64; ++c) {
-                    tma_load_4d(sK + (u32)(c * BC * 128), &pp.k, 64 * c, col0, hkv, b, bar_kv);
-                    tma_load_4d(sV + (u32)(c * BC * 128), &pp.v, 64 * c, col0, hkv, b, bar_kv);
-                }
-            }
+            // The producer warp.
+            auto claim = [&]() {
+                int x = 0;
+                if (lane_id == 0) x = atomicAdd(pp.next_tile, 1);
+                return __shfl_sync(0xffffffffu, x, 0);
+            };
+            int loads = 0;  // K/V loads so far: "K/V full" and "K/V empty"'s phases
+            int wg = 0;     // items so far: the ring's phases
 #pragma unroll 1
-            for (int w = 0; w < work; ++w) {
-                const int st = w % STAGES;
-                if (w >= STAGES) mbar_wait(bar_empty + 8 * st, (u32)((w / STAGES - 1) & 1));
-                int h, m;
-                item_of(w, h, m);
-                const int row0 = m * BR, rows_valid = min(BR, sq - row0);
-                const u32 full = bar_full + 8 * st;
-                if (lane_id == 0) {
-                    mbar_expect_tx(full, 2 * Q_BYTES);
-#pragma unroll
-                    for (int c = 0; c < D / 64; ++c) {
-                        tma_load_4d(sQ0 + (u32)(st * Q_BYTES + c * BR * 128), &pp.q, 64 * c, row0, h, b, full);
-                        tma_load_4d(sDO0 + (u32)(st * Q_BYTES + c * BR * 128), &pp.dout, 64 * c, row0, h, b, full);
+            for (int tile = claim();; tile = claim()) {
+                // The tile's items (none: the next tile), into the slot of its K/V load. (The
+                // consumers read that slot last for load `loads` - 2, whose tile they finished
+                // before the producer's wait on "K/V empty" for load `loads` - 1.)
+                const u32 info = tile_slot + (u32)(32 * (loads & 1));
+                int per_head = 0;
+                if (tile < tiles) {
+                    int n_block, b, hkv, m_lo, m_hi;
+                    ws_tile(p, tile, n_block, b, hkv);
+                    query_tiles(vis, n_block, m_lo, m_hi);
+                    per_head = max(m_hi - m_lo, 0);
+                    if (per_head == 0) continue;
+                    if (lane_id == 0) {
+                        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(info), "r"(tile), "r"(b),
+                                     "r"(hkv * p.group), "r"(m_lo)
+                                     : "memory");
+                        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(info + 16), "r"(per_head),
+                                     "r"(n_block), "r"(hkv), "r"(0)
+                                     : "memory");
                     }
+                } else if (lane_id == 0) {
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(info), "r"(-1) : "memory");
                 }
-                const long long li = b * p.lse_batch + h * p.lse_head + row0;
+                __syncwarp();
+                // K and V of the tile (or the word that there are none: a bare arrival), once the
+                // consumers are done with the previous tile's, issued after the first item's
+                // copies, which land under the previous tile's last item.
+                auto load_kv = [&]() {
+                    if (loads > 0) mbar_wait(bar_kv_empty, (u32)((loads - 1) & 1));
+                    if (lane_id == 0) {
+                        if (tile < tiles) {
+                            const int b = ld_shared_s32(info + 4), col0 = ld_shared_s32(info + 20) * BC,
+                                      hkv = ld_shared_s32(info + 24);
+                            mbar_expect_tx(bar_kv, 2 * KV_BYTES);
 #pragma unroll
-                for (int r = lane_id; r < BR; r += 32) {
-                    float l = 0.f, dd = 0.f;
-                    if (r < rows_valid) {
-                        l = p.lse[li + r];
-                        dd = p.dpsum[li + r];
+                            for (int c = 0; c < D / 64; ++c) {
+                                tma_load_4d(sK + (u32)(c * BC * 128), &pp.k, 64 * c, col0, hkv, b, bar_kv);
+                                tma_load_4d(sV + (u32)(c * BC * 128), &pp.v, 64 * c, col0, hkv, b, bar_kv);
+                            }
+                        } else {
+                            mbar_arrive(bar_kv);
+                        }
                     }
-                    l = (l == -FA_INF) ? FA_INF : l * FA_LOG2E;
-                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sL0 + (u32)(st * ROW_BYTES + 4 * r)), "f"(l)
-                                 : "memory");
-                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sD0 + (u32)(st * ROW_BYTES + 4 * r)), "f"(dd)
-                                 : "memory");
+                    ++loads;
+                };
+                if (tile >= tiles) {
+                    load_kv();
+                    break;
                 }
-                mbar_arrive(full);
+#pragma unroll 1
+                for (int w = 0; w < per_head * p.group; ++w, ++wg) {
+                    const int st = wg % STAGES;
+                    if (wg >= STAGES) mbar_wait(bar_empty + 8 * st, (u32)((wg / STAGES - 1) & 1));
+                    int h, m;
+                    item_at(info, w, h, m);
+                    const int b = ld_shared_s32(info + 4);
+                    const int row0 = m * BR, rows_valid = min(BR, p.sq - row0);
+                    const u32 full = bar_full + 8 * st;
+                    if (lane_id == 0) {
+                        mbar_expect_tx(full, 2 * Q_BYTES);
+#pragma unroll
+                        for (int c = 0; c < D / 64; ++c) {
+                            tma_load_4d(sQ0 + (u32)(st * Q_BYTES + c * BR * 128), &pp.q, 64 * c, row0, h, b, full);
+                            tma_load_4d(sDO0 + (u32)(st * Q_BYTES + c * BR * 128), &pp.dout, 64 * c, row0, h, b, full);
+                        }
+                    }
+                    const long long li = b * p.lse_batch + h * p.lse_head + row0;
+#pragma unroll
+                    for (int r = lane_id; r < BR; r += 32) {
+                        float l = 0.f, dd = 0.f;
+                        if (r < rows_valid) {
+                            l = p.lse[li + r];
+                            dd = p.dpsum[li + r];
+                        }
+                        l = (l == -FA_INF) ? FA_INF : l * FA_LOG2E;
+                        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sL0 + (u32)(st * ROW_BYTES + 4 * r)), "f"(l)
+                                     : "memory");
+                        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sD0 + (u32)(st * ROW_BYTES + 4 * r)), "f"(dd)
+                                     : "memory");
+                    }
+                    mbar_arrive(full);
+                    if (w == 0) load_kv();
+                }
             }
             return;
         }
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 
         FragC dk[DT], dv[DT], dq[DQ_FRAGS];
-        zero_accumulators(dk, dv, dq);
-
-        if (work > 0) mbar_wait(bar_kv, 0);
-        for (int w = 0; w < work; ++w) {
-            const int st = w % STAGES;
-            int h, m;
-            item_of(w, h, m);
-            const int row0 = m * BR;
-            const int rows_valid = min(BR, sq - row0);
-            const float slope = p.mod.slope(b, h, p.hq);
-            const int lane = (int)opaque((u32)lane_id);
-            const u32 sQ = sQ0 + (u32)(st * Q_BYTES), sDO = sDO0 + (u32)(st * Q_BYTES);
-            const u32 sL = sL0 + (u32)(st * ROW_BYTES), sD = sD0 + (u32)(st * ROW_BYTES);
-            const u32 sDS = sDS0 + (u32)((w & 1) * DS_BYTES);
-            const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
-            const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
-            const ItemCtx ctx{&p,   sK,  sV,   sQ,    sDO,  sDS,   l_base, d_base, vis,     row0,    rows_valid,
-                              col0, off, warp_key, lane, g, t, b, h, tid, warp, info, modded, drop, slope, nullptr, 0u, 0};
-            const bool full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
-            mbar_wait(bar_full + 8 * st, (u32)((w / STAGES) & 1));
-            dispatch_item(ctx, full, dk, dv, dq);
-            // This thread's products and reads of the item are complete: once every consumer
-            // thread says so, its stage may be refilled. (Every thread arrives, rather than one a
-            // warp after __syncwarp: the producer rewrites the lse and D rows with plain stores,
-            // and racecheck orders each read before them only through that thread's own release.)
-            mbar_arrive(bar_empty + 8 * st);
-            consumers_sync();  // dSᵀ complete
-            if (p.deterministic) {
-                add_dq_in_order(p, vis, b, h, m, 0, n_block, tid, [&](float* acc, long long acc_row, int rows_valid) {
-                    accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
-                });
-            } else {
-                // dQ of the item to shared memory, for the dQ warp's TMA reductions, once it has
-                // read the previous item's.
-                if (w > 0) mbar_wait(bar_dq_empty, (u32)((w - 1) & 1));
-                FragC d[NQ / 8];
-                issue_dq(d, sDS, sK, warp);
-                wgmma_wait<0>();
-                fence_operands(d);
-                store_dq(d, sDQ, warp, lane);  // (padding columns: stored, never reduced)
-                fence_proxy_async();  // the stores, to the bulk reductions' async proxy
-                mbar_arrive(bar_dq_full);
+        const int warp_key = 16 * warp;
+        int wg = 0;  // items so far
+#pragma unroll 1
+        for (int j = 0;; ++j) {
+            mbar_wait(bar_kv, (u32)(j & 1));
+            const u32 info = tile_slot + (u32)(32 * (j & 1));
+            if (ld_shared_s32(info) < 0) break;
+            const int work = ld_shared_s32(info + 16) * p.group;  // > 0: no tile without items is loaded
+            zero_accumulators(dk, dv, dq);
+#pragma unroll 1
+            for (int w = 0; w < work; ++w, ++wg) {
+                const int st = wg % STAGES;
+                int h, m;
+                item_at(info, w, h, m);
+                const int b = ld_shared_s32(info + 4), col0 = ld_shared_s32(info + 20) * BC;
+                const int sq = p.sq, off = p.sk - p.sq;
+                const int row0 = m * BR;
+                const int rows_valid = min(BR, sq - row0);
+                const float slope = p.mod.slope(b, h, p.hq);
+                const int lane = (int)opaque((u32)lane_id);
+                const u32 sQ = sQ0 + (u32)(st * Q_BYTES), sDO = sDO0 + (u32)(st * Q_BYTES);
+                const u32 sL = sL0 + (u32)(st * ROW_BYTES), sD = sD0 + (u32)(st * ROW_BYTES);
+                const u32 sDS = sDS0 + (u32)((wg & 1) * DS_BYTES);
+                const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
+                const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
+                const ItemCtx ctx{&p,   sK,  sV,       sQ,   sDO, sDS, l_base, d_base, vis,  row0,  rows_valid,
+                                  col0, off, warp_key, lane, g,   t,   b,      h,      tid,  warp,  0u,
+                                  modded, drop, slope, nullptr, 0u, 0};
+                const bool full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
+                mbar_wait(bar_full + 8 * st, (u32)((wg / STAGES) & 1));
+                dispatch_item(ctx, full, dk, dv, dq);
+                // This thread's products and reads of the item are complete: once every consumer
+                // thread says so, its stage may be refilled. (Every thread arrives, rather than one a
+                // warp after __syncwarp: the producer rewrites the lse and D rows with plain stores,
+                // and racecheck orders each read before them only through that thread's own release.)
+                mbar_arrive(bar_empty + 8 * st);
+                consumers_sync();  // dSᵀ complete
+                if (p.deterministic) {
+                    add_dq_in_order(p, vis, b, h, m, 0, col0 / BC, tid, [&](float* acc, long long acc_row, int rows_valid) {
+                        accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
+                    });
+                } else {
+                    // dQ of the item to shared memory, for the dQ warp's TMA reductions, once it
+                    // has read the previous item's.
+                    FragC d[NQ / 8];
+                    issue_dq(d, sDS, sK, warp);
+                    if (wg > 0) mbar_wait(bar_dq_empty, (u32)((wg - 1) & 1));
+                    wgmma_wait<0>();
+                    fence_operands(d);
+                    store_dq(d, sDQ, warp, lane);  // (padding columns: stored, never reduced)
+                    if (tid == 0) {
+                        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(dq_slot), "r"(h), "r"(m) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dq_slot + 8), "r"(b) : "memory");
+                    }
+                    fence_proxy_async();  // the stores, to the bulk reductions' async proxy
+                    mbar_arrive(bar_dq_full);
+                }
             }
+            // K and V are read no more (the last item's products, dQ's among them, are complete).
+            // (The tile's slot is read before the arrival: the producer may rewrite it after.)
+            const int b = ld_shared_s32(info + 4), col0 = ld_shared_s32(info + 20) * BC, hkv = ld_shared_s32(info + 24);
+            mbar_arrive(bar_kv_empty);
+            const long long k0 = col0;
+            const int kv = min(BC, p.sk - col0);
+            u16* gdK = p.dk + b * p.dk_batch + k0 * p.dk_row + hkv * p.dk_head;
+            u16* gdV = p.dv + b * p.dv_batch + k0 * p.dv_row + hkv * p.dv_head;
+            store_rows(dk, p.scale, gdK, p.dk_row, warp_key, 0, kv, p.d, lane_id);
+            store_rows(dv, 1.f, gdV, p.dv_row, warp_key, 0, kv, p.d, lane_id);
         }
-        const long long k0 = col0;
-        const int kv = min(BC, sk - col0);
-        u16* gdK = p.dk + b * p.dk_batch + k0 * p.dk_row + hkv * p.dk_head;
-        u16* gdV = p.dv + b * p.dv_batch + k0 * p.dv_row + hkv * p.dv_head;
-        store_rows(dk, p.scale, gdK, p.dk_row, warp_key, 0, kv, p.d, lane_id);
-        store_rows(dv, 1.f, gdV, p.dv_row, warp_key, 0, kv, p.d, lane_id);
+        if (!p.deterministic) {
+            // The dQ warp's last word, once it has read the last tile.
+            if (wg > 0) mbar_wait(bar_dq_empty, (u32)((wg - 1) & 1));
+            if (tid == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dq_slot), "r"(-1) : "memory");
+            mbar_arrive(bar_dq_full);
+        }
     }
 #endif
 };
