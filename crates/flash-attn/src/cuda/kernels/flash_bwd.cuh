@@ -191,6 +191,17 @@ struct BlockCoords {
     int n_block, b, hkv, q_start, k_start, sq, sk;
 };
 
+// Key tile `tile` in the grid's order: its index among its sequence's key tiles, the sequence,
+// the kv head. Key tiles of one (sequence, kv head) are consecutive, in order: the deterministic
+// mode's waits only ever point at earlier tiles (`run`: earlier blocks; `run_ws`: tiles taken
+// earlier from its scheduler).
+__device__ __forceinline__ void key_tile_coords(const BwdParams& p, int tile, int& n_block, int& b, int& hkv) {
+    n_block = tile % p.num_n_blocks;
+    const int bhk = tile / p.num_n_blocks;
+    b = bhk / p.hk;
+    hkv = bhk % p.hk;
+}
+
 // The block's coordinates, from a fresh read of the block index each call: the kernel re-derives
 // them where it needs them (each work item, the epilogue) instead of holding them in registers
 // across the work loop, where they are what spills.
@@ -198,12 +209,7 @@ __device__ __forceinline__ BlockCoords block_coords(const BwdParams& p) {
     int bid;
     asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bid));
     BlockCoords c;
-    // Key tiles of one (sequence, kv head) are consecutive blocks, in order: the deterministic
-    // mode's waits only ever point at earlier blocks (`run_ws`: tiles taken earlier; ws_tile).
-    c.n_block = bid % p.num_n_blocks;
-    const int bhk = bid / p.num_n_blocks;
-    c.b = bhk / p.hk;
-    c.hkv = bhk % p.hk;
+    key_tile_coords(p, bid, c.n_block, c.b, c.hkv);
     c.q_start = 0;
     c.k_start = 0;
     c.sq = p.sq;
@@ -1256,15 +1262,6 @@ struct FlashBwd {
     static constexpr int CONSUMER_REGS = (384 * 168 - 128 * PRODUCER_REGS) / 256;
     static_assert(CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
 
-    // Key tile `tile` of a fixed-length batch in `block_coords`' order: its index among the
-    // sequence's key tiles, the sequence, the kv head.
-    static __device__ __forceinline__ void ws_tile(const BwdParams& p, int tile, int& n_block, int& b, int& hkv) {
-        const int bhk = tile / p.num_n_blocks;
-        n_block = tile - bhk * p.num_n_blocks;
-        b = bhk / p.hk;
-        hkv = bhk - b * p.hk;
-    }
-
     // The warp-specialised kernel (fixed-length batches), persistent: a grid of at most one block
     // a multiprocessor, whose producer takes key tiles from a counter (the tile scheduler: tiles
     // in `block_coords`' order, each to whichever block asks next, so that the blocks drawing
@@ -1373,7 +1370,7 @@ struct FlashBwd {
                 int per_head = 0;
                 if (tile < tiles) {
                     int n_block, b, hkv, m_lo, m_hi;
-                    ws_tile(p, tile, n_block, b, hkv);
+                    key_tile_coords(p, tile, n_block, b, hkv);
                     query_tiles(vis, n_block, m_lo, m_hi);
                     per_head = max(m_hi - m_lo, 0);
                     if (per_head == 0) continue;
