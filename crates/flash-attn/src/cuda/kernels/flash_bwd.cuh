@@ -286,6 +286,12 @@ struct FlashBwd {
                   "the warp-specialised kernel: two consumer warpgroups, tiles of whole 64-column TMA boxes, "
                   "no block-sparse mask");
     static constexpr int STAGES = WS ? FA_BWD_STAGES : 2;
+    // Each product's operand descriptors built once and advanced by a 32-bit add per k-step
+    // (`desc_plus`), not rebuilt from the address each step, in the warp-specialised kernel
+    // (with the consumers' warp index made uniform, `uwarp`, they stay in uniform registers).
+    // The split kernels (d > 128) always build them so; the non-warp-specialised kernels measured
+    // slower with it in session 33 (docs/cuda-notes.md).
+    static constexpr bool DESC_PLUS = WS;
     static_assert(STAGES >= 2, "a ring of at least two buffers");
     static constexpr int CONSUMERS = THREADS;  // the threads that run the items
     // K, V | Q[STAGES], dO[STAGES] | dSᵀ[DS_BUFS] | Pᵀ (SPLIT) | lse[STAGES], D[STAGES]
@@ -369,7 +375,7 @@ struct FlashBwd {
         const u32 a0 = sK + (u32)((warp_key & ~63) * 128), b0 = sQ + (u32)(q0 * 128);
         fence_operands(s);
         wgmma_fence();
-        if constexpr (SPLIT > 1) {
+        if constexpr (SPLIT > 1 || DESC_PLUS) {
             const u64 da0 = gmma_desc(a0, 16, 1024), db0 = gmma_desc(b0, 16, 1024);
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
@@ -421,9 +427,15 @@ struct FlashBwd {
         for (int kk = 0; kk < K; ++kk) fence_operands(const_cast<FragA&>(a[kk]));
         fence_operands(acc);
         wgmma_fence();
+        if constexpr (DESC_PLUS) {
+            const u64 db0 = gmma_desc(sX + (u32)(q0 * 128), BR * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < K; ++kk)
-            wgmma_rs<D>(acc, a[kk], gmma_desc(sX + (u32)((q0 + 16 * kk) * 128), BR * 128, 1024));
+            for (int kk = 0; kk < K; ++kk) wgmma_rs<D>(acc, a[kk], desc_plus(db0, (u32)(16 * kk * 128)));
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < K; ++kk)
+                wgmma_rs<D>(acc, a[kk], gmma_desc(sX + (u32)((q0 + 16 * kk) * 128), BR * 128, 1024));
+        }
         wgmma_commit();
         if (WAIT) {
             wgmma_wait<0>();
@@ -593,7 +605,7 @@ struct FlashBwd {
         const int wg = warp / 4, m0 = 64 * (wg / NSPLIT), n0 = NQ * (wg % NSPLIT);
         fence_operands(d);
         wgmma_fence();
-        if constexpr (SPLIT > 1) {
+        if constexpr (SPLIT > 1 || DESC_PLUS) {
             const u64 da0 = gmma_desc(sDS + (u32)((m0 / 64) * BC * 128), BC * 128, 1024);
             const u64 db0 = gmma_desc(sK + (u32)((n0 / 64) * BC * 128 + (n0 % 64) * 2), BC * 128, 1024);
 #pragma unroll
@@ -1450,8 +1462,11 @@ struct FlashBwd {
         }
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 
+        // The warp index through a shuffle: ptxas then knows it is the same in every lane and
+        // keeps what derives from it (the operand descriptors) in uniform registers.
+        const int uwarp = __shfl_sync(0xffffffffu, warp, 0);
         FragC dk[DT], dv[DT], dq[DQ_FRAGS];
-        const int warp_key = 16 * warp;
+        const int warp_key = 16 * uwarp;
         int wg = 0;  // items so far
 #pragma unroll 1
         for (int j = 0;; ++j) {
@@ -1477,7 +1492,7 @@ struct FlashBwd {
                 const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
                 const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
                 const ItemCtx ctx{&p,   sK,  sV,       sQ,   sDO, sDS, l_base, d_base, vis,  row0,  rows_valid,
-                                  col0, off, warp_key, lane, g,   t,   b,      h,      tid,  warp,  0u,
+                                  col0, off, warp_key, lane, g,   t,   b,      h,      tid,  uwarp,  0u,
                                   modded, drop, slope, nullptr, 0u, 0};
                 const bool full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
                 mbar_wait(bar_full + 8 * st, (u32)((wg / STAGES) & 1));
@@ -1490,17 +1505,17 @@ struct FlashBwd {
                 consumers_sync();  // dSᵀ complete
                 if (p.deterministic) {
                     add_dq_in_order(p, vis, b, h, m, 0, col0 / BC, tid, [&](float* acc, long long acc_row, int rows_valid) {
-                        accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, warp, lane);
+                        accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, uwarp, lane);
                     });
                 } else {
                     // dQ of the item to shared memory, for the dQ warp's TMA reductions, once it
                     // has read the previous item's.
                     FragC d[NQ / 8];
-                    issue_dq(d, sDS, sK, warp);
+                    issue_dq(d, sDS, sK, uwarp);
                     if (wg > 0) mbar_wait(bar_dq_empty, (u32)((wg - 1) & 1));
                     wgmma_wait<0>();
                     fence_operands(d);
-                    store_dq(d, sDQ, warp, lane);  // (padding columns: stored, never reduced)
+                    store_dq(d, sDQ, uwarp, lane);  // (padding columns: stored, never reduced)
                     if (tid == 0) {
                         asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(dq_slot), "r"(h), "r"(m) : "memory");
                         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dq_slot + 8), "r"(b) : "memory");
