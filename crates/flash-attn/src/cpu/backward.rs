@@ -219,9 +219,9 @@ impl<T: Element> Context<'_, T> {
                 pack_rows_transposed(self.isa, &mut pt.vt, bc, bits.v, g.v, seq, k_start, c.clone(), kv_head, dv);
                 pack_row_pairs(&mut pt.k_keys, d, bits.k, g.k, seq, k_start, c, kv_head, d);
             } else {
-                load_rows(&mut sc.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
+                load_rows(&mut sc.k, d, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
                 transpose(self.isa, &mut sc.kt, bc, &sc.k, d, nc, d);
-                load_rows(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
+                load_rows(&mut sc.v, dv, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
                 transpose(self.isa, &mut sc.vt, bc, &sc.v, dv, nc, dv);
             }
             sc.dk[..nc * d].fill(0.0);

@@ -4,7 +4,7 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::blocking::Tiles;
+use super::blocking::{padded_stride, Tiles};
 use super::gemm::{gemm, gemm_acc_skipping_zeros, gemm_bf16, Bf16Pair};
 use super::isa::Isa;
 use super::pairs::{narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
@@ -112,6 +112,33 @@ fn zeros<E: Copy + Default>(mut v: Vec<E>, n: usize) -> Vec<E> {
     v
 }
 
+/// Row strides of the `f32` path's packed tiles: `Q_i` (`q`), `K_jᵀ` and `S_ij` (`s`, one stride
+/// for both: the product writes `S` with the stride it reads `Kᵀ` with), and the cached `V_j`
+/// (`v`), each [`padded_stride`] of its width so that a GEMM panel's rows spread over the L1
+/// sets. The products on `bf16` pairs keep their tiles' widths.
+#[derive(Clone, Copy)]
+pub(super) struct Strides {
+    q: usize,
+    s: usize,
+    v: usize,
+}
+
+impl Strides {
+    fn new(g: &Geometry<'_>, t: Tiles, pairs: bool) -> Self {
+        if pairs {
+            Strides { q: g.d, s: t.bc, v: g.dv }
+        } else {
+            Strides { q: padded_stride(g.d), s: padded_stride(t.bc), v: padded_stride(g.dv) }
+        }
+    }
+
+    /// Whether `f32` `V` rows at `token_stride` can be read in place: only at the packed
+    /// stride (a stride of a power of two lines would put a panel's rows in a few L1 sets).
+    pub(super) fn reads_v_in_place(g: &Geometry<'_>, t: Tiles) -> bool {
+        g.v.token_stride == Strides::new(g, t, false).v
+    }
+}
+
 /// Bytes of forward scratch a thread keeps between calls ([`Pooled`]): the two tile caches at
 /// their budget ([`super::blocking::KV_CACHE_BUDGET`] each) and the tiles.
 const KEPT_BYTES: usize = 16 << 20;
@@ -185,7 +212,10 @@ impl Scratch {
         let key_tiles = g.max_sk.div_ceil(t.bc);
         let (kt_len, v_len) = (g.d.div_ceil(2) * t.bc, t.bc.div_ceil(2) * g.dv);
         let pair_slots = key_tiles.min(cache_budget / (4 * (kt_len + v_len)).max(1));
-        let f32_slots = |dim: usize| if pairs { 0 } else { key_tiles.min(cache_budget / (4 * dim * t.bc).max(1)) };
+        // The f32 path's tiles at padded row strides (`Strides`).
+        let st = Strides::new(g, t, pairs);
+        let (f32_kt_len, f32_v_len) = (g.d * st.s, t.bc * st.v);
+        let f32_slots = |len: usize| if pairs { 0 } else { key_tiles.min(cache_budget / (4 * len).max(1)) };
         let (pq, pkt, pv, pp, pkc, pvc) = match old_pairs {
             Some(p) => (p.q, p.kt, p.v, p.p, Some(p.kt_cache), Some(p.v_cache)),
             None => (Vec::new(), Vec::new(), Vec::new(), Vec::new(), None, None),
@@ -194,13 +224,13 @@ impl Scratch {
             // Sized on first use: `k` and `v` stay empty for `f32` rows read in place (`rows_f32`).
             q: zeros(old.q, 0),
             k: zeros(old.k, 0),
-            kt: f32_tile(old.kt, g.d * t.bc),
+            kt: f32_tile(old.kt, f32_kt_len),
             v: zeros(old.v, 0),
-            s: zeros(old.s, t.br * t.bc),
+            s: zeros(old.s, t.br * st.s),
             o: zeros(old.o, t.br * g.dv),
             softmax: OnlineSoftmax::default(),
-            kt_cache: TileCache::new_in(old_kt_cache, f32_slots(g.d), g.d * t.bc),
-            v_cache: TileCache::new_in(old_v_cache, if pack_v { f32_slots(g.dv) } else { 0 }, t.bc * g.dv),
+            kt_cache: TileCache::new_in(old_kt_cache, f32_slots(f32_kt_len), f32_kt_len),
+            v_cache: TileCache::new_in(old_v_cache, if pack_v { f32_slots(f32_v_len) } else { 0 }, f32_v_len),
             pairs: pairs.then(|| PairTiles {
                 q: zeros(pq, t.br * g.d.div_ceil(2)),
                 kt: zeros(pkt, kt_len),
@@ -316,13 +346,16 @@ impl<T: Element> Context<'_, T> {
         // Load Q_i (Algorithm 1, line 8); zero O_i, m_i = -inf, l_i = 0. The scale multiplies the
         // dot products, not Q: rounding q · scale per element costs accuracy at large scales.
         let dp = d.div_ceil(2);
+        let pairs = self.bf16.is_some() && sc.pairs.is_some();
+        let st = Strides::new(g, self.tiles, pairs);
+        let lds = st.s;
         match (self.bf16, sc.pairs.as_mut()) {
             (Some(bits), Some(pt)) => pack_rows(&mut pt.q, dp, bits.q, g.q, seq, seq.q_start, rows.clone(), head, d),
             _ => {
-                if sc.q.len() < nr * d {
-                    sc.q.resize(nr * d, 0.0);
+                if sc.q.len() < nr * st.q {
+                    sc.q.resize(nr * st.q, 0.0);
                 }
-                load_rows(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0)
+                load_rows(&mut sc.q, st.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0)
             }
         }
         sc.o[..nr * dv].fill(0.0);
@@ -362,9 +395,9 @@ impl<T: Element> Context<'_, T> {
                         let keys = packed(slot);
                         let n = keys.len();
                         let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
-                        transpose(self.isa, dst, bc, k, ldk, n, d);
+                        transpose(self.isa, dst, lds, k, ldk, n, d);
                     });
-                    QkOperands::F32 { q: &sc.q, ldq: d, kt }
+                    QkOperands::F32 { q: &sc.q, ldq: st.q, kt }
                 }
             };
 
@@ -374,7 +407,7 @@ impl<T: Element> Context<'_, T> {
             score_tile(
                 self.isa,
                 &mut sc.s,
-                bc,
+                lds,
                 (qk, deferred.is_some()),
                 d,
                 rows.clone(),
@@ -389,11 +422,11 @@ impl<T: Element> Context<'_, T> {
             let ldp = bc.div_ceil(2);
             let fused = sc.pairs.as_mut().filter(|_| dropout.is_none()).map(|pt| (&mut pt.p[..], ldp));
             let p_in_pairs = fused.is_some();
-            sc.softmax.update(self.isa, &mut sc.s, bc, nc, &mut sc.o, dv, deferred.unwrap_or(1.0), fused);
+            sc.softmax.update(self.isa, &mut sc.s, lds, nc, &mut sc.o, dv, deferred.unwrap_or(1.0), fused);
             if let Some(rng) = &dropout {
                 // Dropout acts on P after l has summed it: lse stays that of the full softmax.
                 for (r, i) in rows.clone().enumerate() {
-                    rng.apply_row(seq.batch, head, g.hq, i, cols.start, rng.scale(), &mut sc.s[r * bc..r * bc + nc]);
+                    rng.apply_row(seq.batch, head, g.hq, i, cols.start, rng.scale(), &mut sc.s[r * lds..r * lds + nc]);
                 }
             }
             if let (Some(bits), Some(pt)) = (self.bf16, sc.pairs.as_mut()) {
@@ -403,7 +436,7 @@ impl<T: Element> Context<'_, T> {
                 });
                 if !p_in_pairs {
                     for r in 0..nr {
-                        narrow_to_pairs(self.isa, &mut pt.p[r * ldp..], &sc.s[r * bc..r * bc + nc]);
+                        narrow_to_pairs(self.isa, &mut pt.p[r * ldp..], &sc.s[r * lds..r * lds + nc]);
                     }
                 }
                 // On AMX, Partial tiles too: the masked probabilities are exact zeros, and a panel's
@@ -430,24 +463,24 @@ impl<T: Element> Context<'_, T> {
             // place (or widened) per query tile as before.
             let (v, ldv) = if sc.v_cache.holds(key_tile) {
                 let vt = sc.v_cache.tile(key_tile, &mut [], |dst, _| {
-                    load_rows(dst, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv, 1.0)
+                    load_rows(dst, st.v, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv, 1.0)
                 });
-                (&vt[(cols.start - whole.start) * dv..], dv)
+                (&vt[(cols.start - whole.start) * st.v..], st.v)
             } else {
                 rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv)
             };
             if class == TileClass::Full {
-                gemm(self.isa, &mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc), true);
+                gemm(self.isa, &mut sc.o, dv, &sc.s, lds, v, ldv, (nr, dv, nc), true);
             } else if !self.v_finite {
                 // Masked probabilities are exact zeros: never form 0 · NaN for a hidden key.
-                gemm_acc_skipping_zeros(&mut sc.o, dv, &sc.s, bc, v, ldv, (nr, dv, nc));
+                gemm_acc_skipping_zeros(&mut sc.o, dv, &sc.s, lds, v, ldv, (nr, dv, nc));
             } else {
                 // Panel by panel, over the keys the panel can see (the rest of P is exact zeros).
                 for (p0, keys) in panels(&vis, rows.clone(), cols.clone()) {
                     let n = (p0 + PANEL).min(nr) - p0;
                     if !keys.is_empty() {
-                        let (o, p) = (&mut sc.o[p0 * dv..], &sc.s[p0 * bc + keys.start..]);
-                        gemm(self.isa, o, dv, p, bc, &v[keys.start * ldv..], ldv, (n, dv, keys.len()), true);
+                        let (o, p) = (&mut sc.o[p0 * dv..], &sc.s[p0 * lds + keys.start..]);
+                        gemm(self.isa, o, dv, p, lds, &v[keys.start * ldv..], ldv, (n, dv, keys.len()), true);
                     }
                 }
             }

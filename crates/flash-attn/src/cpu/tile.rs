@@ -44,11 +44,12 @@ impl ScoreMod {
     }
 }
 
-/// Copies rows `rows` of head `head` (tokens from `start`) into `dst` (row stride `dim`), widened
+/// Copies rows `rows` of head `head` (tokens from `start`) into `dst` (row stride `ld_dst`), widened
 /// to `f32` and multiplied by `mult`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn load_rows<T: Element>(
     dst: &mut [f32],
+    ld_dst: usize,
     src: &[T],
     layout: RowLayout,
     seq: &Sequence,
@@ -60,7 +61,7 @@ pub(super) fn load_rows<T: Element>(
 ) {
     for (r, i) in rows.enumerate() {
         let at = layout.row(seq, start, i, head);
-        let row = &mut dst[r * dim..(r + 1) * dim];
+        let row = &mut dst[r * ld_dst..r * ld_dst + dim];
         T::widen_slice(&src[at..at + dim], row);
         if mult != 1.0 {
             row.iter_mut().for_each(|x| *x *= mult);
@@ -115,7 +116,7 @@ pub(super) fn rows_f32<'s, T: Element>(
     if buf.len() < rows.len() * dim {
         buf.resize(rows.len() * dim, 0.0);
     }
-    load_rows(buf, src, layout, seq, start, rows, head, dim, 1.0);
+    load_rows(buf, dim, src, layout, seq, start, rows, head, dim, 1.0);
     (buf, dim)
 }
 
