@@ -88,7 +88,7 @@ mod tests {
         for n in 1..600 {
             let ld = padded_stride(n);
             assert!(ld >= n && ld < n + 32, "{n} -> {ld}");
-            assert!(ld % 16 == 0 && (ld / 16) % 2 == 1, "{n} -> {ld}");
+            assert!(ld.is_multiple_of(16) && !(ld / 16).is_multiple_of(2), "{n} -> {ld}");
         }
         assert_eq!((padded_stride(64), padded_stride(128), padded_stride(96)), (80, 144, 112));
     }
