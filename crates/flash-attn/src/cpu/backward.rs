@@ -11,11 +11,11 @@
 
 use rayon::prelude::*;
 
-use super::blocking::Tiles;
+use super::blocking::{padded_stride, Tiles};
 use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair};
 use super::isa::Isa;
 use super::pairs::{ds_to_pairs, narrow_row_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
-use super::tile::{load_rows, rows_f32, score_tile, QkOperands, ScoreMod};
+use super::tile::{load_rows, score_tile, QkOperands, ScoreMod};
 use super::transpose::transpose;
 use super::vexp::{exp_scaled_row_pairs, exp_scaled_sub_sum};
 use super::Sink;
@@ -58,6 +58,33 @@ pub(super) struct Scratch {
     /// The operands as `bf16` pairs, when the products run on them (then `q`, `dout`, `k`, `kt`,
     /// `v`, `vt` stay empty).
     pairs: Option<PairTiles>,
+    /// Row strides of the tiles above.
+    ld: Strides,
+}
+
+/// Row strides of the backward's `f32` tiles: the score-shaped ones (`S`, `dP`, `tanh`, `keep`,
+/// `P'`, and `Kᵀ`, `Vᵀ`, which share the products' stride with them), `Q_i`, `dO_i`, `K_j` and
+/// `V_j`, each [`padded_stride`] of its width on the `f32` path (a GEMM panel's rows spread over
+/// the L1 sets; `Q_i` and `dO_i` are copied at it rather than read in place at a token stride,
+/// which put every row of a panel in one set). On `bf16` pairs, the widths.
+#[derive(Clone, Copy)]
+struct Strides {
+    s: usize,
+    q: usize,
+    o: usize,
+    k: usize,
+    v: usize,
+}
+
+impl Strides {
+    fn new(d: usize, dv: usize, bc: usize, pairs: bool) -> Self {
+        if pairs {
+            Strides { s: bc, q: d, o: dv, k: d, v: dv }
+        } else {
+            let p = padded_stride;
+            Strides { s: p(bc), q: p(d), o: p(dv), k: p(d), v: p(dv) }
+        }
+    }
 }
 
 /// The five products' operands in the pair layout of [`gemm_bf16`]: pairs along the head dims
@@ -125,6 +152,8 @@ impl Scratch {
         let (d, dv) = (g.d, g.dv);
         let f32_tile = |n: usize| if pairs { Vec::new() } else { vec![0.0; n] };
         let (dp, dvp, brp, bcp) = (d.div_ceil(2), dv.div_ceil(2), t.br.div_ceil(2), t.bc.div_ceil(2));
+        let ld = Strides::new(d, dv, t.bc, pairs);
+        let score = t.br * ld.s;
         Self {
             pairs: pairs.then(|| PairTiles {
                 kt: vec![0; dp * t.bc],
@@ -135,22 +164,22 @@ impl Scratch {
                 ds_rows: vec![0; brp * t.bc],
                 ds_keys: vec![0; t.br * bcp],
             }),
-            // Filled only for inputs that are not `f32` rows read in place (`rows_f32`).
-            q: Vec::new(),
-            dout: Vec::new(),
+            q: f32_tile(t.br * ld.q),
+            dout: f32_tile(t.br * ld.o),
             lse: vec![0.0; t.br],
             delta: vec![0.0; t.br],
-            s: vec![0.0; t.br * t.bc],
-            dp: vec![0.0; t.br * t.bc],
-            tanh: if g.softcap.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
-            keep: if g.dropout.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
-            p_dropped: if g.dropout.is_some() { vec![0.0; t.br * t.bc] } else { Vec::new() },
-            k: f32_tile(t.bc * d),
-            kt: f32_tile(d * t.bc),
-            v: f32_tile(t.bc * dv),
-            vt: f32_tile(dv * t.bc),
+            s: vec![0.0; score],
+            dp: vec![0.0; score],
+            tanh: if g.softcap.is_some() { vec![0.0; score] } else { Vec::new() },
+            keep: if g.dropout.is_some() { vec![0.0; score] } else { Vec::new() },
+            p_dropped: if g.dropout.is_some() { vec![0.0; score] } else { Vec::new() },
+            k: f32_tile(t.bc * ld.k),
+            kt: f32_tile(d * ld.s),
+            v: f32_tile(t.bc * ld.v),
+            vt: f32_tile(dv * ld.s),
             dk: vec![0.0; t.bc * d],
             dv: vec![0.0; t.bc * dv],
+            ld,
         }
     }
 }
@@ -219,10 +248,11 @@ impl<T: Element> Context<'_, T> {
                 pack_rows_transposed(self.isa, &mut pt.vt, bc, bits.v, g.v, seq, k_start, c.clone(), kv_head, dv);
                 pack_row_pairs(&mut pt.k_keys, d, bits.k, g.k, seq, k_start, c, kv_head, d);
             } else {
-                load_rows(&mut sc.k, d, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
-                transpose(self.isa, &mut sc.kt, bc, &sc.k, d, nc, d);
-                load_rows(&mut sc.v, dv, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
-                transpose(self.isa, &mut sc.vt, bc, &sc.v, dv, nc, dv);
+                let ld = sc.ld;
+                load_rows(&mut sc.k, ld.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
+                transpose(self.isa, &mut sc.kt, ld.s, &sc.k, ld.k, nc, d);
+                load_rows(&mut sc.v, ld.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
+                transpose(self.isa, &mut sc.vt, ld.s, &sc.v, ld.v, nc, dv);
             }
             sc.dk[..nc * d].fill(0.0);
             sc.dv[..nc * dv].fill(0.0);
@@ -263,6 +293,9 @@ impl<T: Element> Context<'_, T> {
             return;
         }
         let bc = self.tiles.bc;
+        let ld = sc.ld;
+        // The stride of the score-shaped tiles (`bc` on pairs).
+        let lds = ld.s;
         let (d, dv) = (g.d, g.dv);
         let (nr, nc) = (rows.len(), cols.len());
         let smod = ScoreMod::new(g, seq, head);
@@ -284,10 +317,20 @@ impl<T: Element> Context<'_, T> {
             }
             (_, pairs) => {
                 sc.pairs = pairs;
-                let (q, ldq) = rows_f32(&mut sc.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d);
-                let (dout, ldo) =
-                    rows_f32(&mut sc.dout, self.dout, self.dout_layout, seq, seq.q_start, rows.clone(), head, dv);
-                RowOperands::F32 { q, ldq, dout, ldo }
+                load_rows(&mut sc.q, ld.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0);
+                load_rows(
+                    &mut sc.dout,
+                    ld.o,
+                    self.dout,
+                    self.dout_layout,
+                    seq,
+                    seq.q_start,
+                    rows.clone(),
+                    head,
+                    dv,
+                    1.0,
+                );
+                RowOperands::F32 { q: &sc.q, ldq: ld.q, dout: &sc.dout, ldo: ld.o }
             }
         };
         for (r, i) in rows.clone().enumerate() {
@@ -309,7 +352,7 @@ impl<T: Element> Context<'_, T> {
         score_tile(
             self.isa,
             &mut sc.s,
-            bc,
+            lds,
             (qk, exp_scale.is_some()),
             d,
             rows.clone(),
@@ -325,7 +368,7 @@ impl<T: Element> Context<'_, T> {
             // pass, two rows at a time.
             RowOperands::Pairs(pt, _) if g.dropout.is_none() => {
                 for q in 0..nr.div_ceil(2) {
-                    let (lo, hi) = sc.s[2 * q * bc..].split_at_mut(bc);
+                    let (lo, hi) = sc.s[2 * q * lds..].split_at_mut(lds);
                     let lo = (&mut lo[..nc], sc.lse[2 * q]);
                     let hi = (2 * q + 1 < nr).then(|| (&mut hi[..nc], sc.lse[2 * q + 1]));
                     exp_scaled_row_pairs(self.isa, lo, hi, exp_scale, &mut pt.p_rows[q * bc..]);
@@ -334,7 +377,7 @@ impl<T: Element> Context<'_, T> {
             _ => {
                 for r in 0..nr {
                     let lse = sc.lse[r];
-                    let row = &mut sc.s[r * bc..r * bc + nc];
+                    let row = &mut sc.s[r * lds..r * lds + nc];
                     if lse == f32::NEG_INFINITY {
                         row.fill(0.0); // a row that sees no key has no gradient
                     } else {
@@ -346,11 +389,11 @@ impl<T: Element> Context<'_, T> {
         // dP_ij = dO_i V_jᵀ.
         match &ops {
             RowOperands::F32 { dout, ldo, .. } => {
-                gemm(self.isa, &mut sc.dp, bc, dout, *ldo, &sc.vt, bc, (nr, nc, dv), false)
+                gemm(self.isa, &mut sc.dp, lds, dout, *ldo, &sc.vt, lds, (nr, nc, dv), false)
             }
             RowOperands::Pairs(pt, slot) => {
                 let dvp = dv.div_ceil(2);
-                gemm_bf16(self.isa, &mut sc.dp, bc, pt.rows.part(*slot, 1), dvp, &pt.vt, bc, (nr, nc, dvp), false)
+                gemm_bf16(self.isa, &mut sc.dp, lds, pt.rows.part(*slot, 1), dvp, &pt.vt, bc, (nr, nc, dvp), false)
             }
         }
 
@@ -358,7 +401,7 @@ impl<T: Element> Context<'_, T> {
         if let Some(dr) = g.dropout {
             let rng = DropoutRng::new(dr.p, dr.seed, dr.offset);
             for (r, i) in rows.clone().enumerate() {
-                let row = r * bc..r * bc + nc;
+                let row = r * lds..r * lds + nc;
                 let keep = &mut sc.keep[row.clone()];
                 keep.fill(1.0);
                 rng.apply_row(seq.batch, head, g.hq, i, cols.start, rng.scale(), keep);
@@ -372,11 +415,11 @@ impl<T: Element> Context<'_, T> {
         let p = if g.dropout.is_some() { &sc.p_dropped } else { &sc.s };
         match &mut ops {
             RowOperands::F32 { dout, ldo, .. } => {
-                gemm_ta(self.isa, &mut sc.dv, dv, p, bc, dout, *ldo, (nc, dv, nr), true)
+                gemm_ta(self.isa, &mut sc.dv, dv, p, lds, dout, *ldo, (nc, dv, nr), true)
             }
             RowOperands::Pairs(pt, slot) => {
                 if g.dropout.is_some() {
-                    pair_rows(self.isa, &mut pt.p_rows, bc, p, bc, nr, nc);
+                    pair_rows(self.isa, &mut pt.p_rows, bc, p, lds, nr, nc);
                 }
                 let dout_rows = pt.rows.part(*slot, 3);
                 gemm_bf16_ta(self.isa, &mut sc.dv, dv, &pt.p_rows, bc, dout_rows, dv, (nc, dv, nr.div_ceil(2)), true);
@@ -387,8 +430,8 @@ impl<T: Element> Context<'_, T> {
         // nothing else reads from now on.
         if smod.has_softcap() {
             for r in 0..nr {
-                let p = &mut sc.s[r * bc..r * bc + nc];
-                for (pi, &t) in p.iter_mut().zip(&sc.tanh[r * bc..r * bc + nc]) {
+                let p = &mut sc.s[r * lds..r * lds + nc];
+                for (pi, &t) in p.iter_mut().zip(&sc.tanh[r * lds..r * lds + nc]) {
                     *pi *= 1.0 - t * t;
                 }
             }
@@ -404,22 +447,22 @@ impl<T: Element> Context<'_, T> {
             RowOperands::F32 { q, ldq, .. } => {
                 for r in 0..nr {
                     let delta = sc.delta[r];
-                    let (p, dp) = (&mut sc.s[r * bc..r * bc + nc], &sc.dp[r * bc..r * bc + nc]);
+                    let (p, dp) = (&mut sc.s[r * lds..r * lds + nc], &sc.dp[r * lds..r * lds + nc]);
                     for (pi, &dpi) in p.iter_mut().zip(dp) {
                         *pi *= dpi - delta;
                     }
                 }
-                gemm_ta(self.isa, &mut sc.dk, d, &sc.s, bc, q, ldq, (nc, d, nr), true);
-                gemm(self.isa, dq, d, &sc.s, bc, &sc.k, d, (nr, d, nc), true);
+                gemm_ta(self.isa, &mut sc.dk, d, &sc.s, lds, q, ldq, (nc, d, nr), true);
+                gemm(self.isa, dq, d, &sc.s, lds, &sc.k, ld.k, (nr, d, nc), true);
             }
             RowOperands::Pairs(mut pt, slot) => {
                 // dS rounded to bf16 once, in both layouts, in one pass over P and dP.
                 let bcp = bc.div_ceil(2);
                 for q in 0..nr.div_ceil(2) {
                     let (r0, r1) = (2 * q, 2 * q + 1);
-                    let lo = (&sc.s[r0 * bc..r0 * bc + nc], &sc.dp[r0 * bc..r0 * bc + nc], sc.delta[r0]);
-                    let hi =
-                        (r1 < nr).then(|| (&sc.s[r1 * bc..r1 * bc + nc], &sc.dp[r1 * bc..r1 * bc + nc], sc.delta[r1]));
+                    let lo = (&sc.s[r0 * lds..r0 * lds + nc], &sc.dp[r0 * lds..r0 * lds + nc], sc.delta[r0]);
+                    let hi = (r1 < nr)
+                        .then(|| (&sc.s[r1 * lds..r1 * lds + nc], &sc.dp[r1 * lds..r1 * lds + nc], sc.delta[r1]));
                     let (keys_lo, keys_hi) = pt.ds_keys[r0 * bcp..].split_at_mut(bcp);
                     let keys_hi = (r1 < nr).then_some(keys_hi);
                     ds_to_pairs(self.isa, lo, hi, &mut pt.ds_rows[q * bc..], keys_lo, keys_hi);
