@@ -62,27 +62,25 @@ pub(super) struct Scratch {
     ld: Strides,
 }
 
-/// Row strides of the backward's `f32` tiles: the score-shaped ones (`S`, `dP`, `tanh`, `keep`,
-/// `P'`, and `Kᵀ`, `Vᵀ`, which share the products' stride with them), `Q_i`, `dO_i`, `K_j` and
-/// `V_j`, each [`padded_stride`] of its width on the `f32` path (a GEMM panel's rows spread over
-/// the L1 sets; `Q_i` and `dO_i` are copied at it rather than read in place at a token stride,
-/// which put every row of a panel in one set). On `bf16` pairs, the widths.
+/// Row strides of the backward's `f32` tiles: the score-shaped ones (`s`: `S`, `dP`, `tanh`,
+/// `keep`, `P'`, and `Kᵀ`, `Vᵀ`, which share the products' stride with them), the rows of head
+/// dim `d` (`Q_i`, `K_j`) and of head dim `dv` (`dO_i`, `V_j`), each [`padded_stride`] of its
+/// width on the `f32` path (a GEMM panel's rows spread over the L1 sets; `Q_i` and `dO_i` are
+/// copied at it rather than read in place at a token stride, which put every row of a panel in one
+/// set). On `bf16` pairs, the widths.
 #[derive(Clone, Copy)]
 struct Strides {
     s: usize,
-    q: usize,
-    o: usize,
-    k: usize,
-    v: usize,
+    d: usize,
+    dv: usize,
 }
 
 impl Strides {
     fn new(d: usize, dv: usize, bc: usize, pairs: bool) -> Self {
         if pairs {
-            Strides { s: bc, q: d, o: dv, k: d, v: dv }
+            Strides { s: bc, d, dv }
         } else {
-            let p = padded_stride;
-            Strides { s: p(bc), q: p(d), o: p(dv), k: p(d), v: p(dv) }
+            Strides { s: padded_stride(bc), d: padded_stride(d), dv: padded_stride(dv) }
         }
     }
 }
@@ -164,8 +162,8 @@ impl Scratch {
                 ds_rows: vec![0; brp * t.bc],
                 ds_keys: vec![0; t.br * bcp],
             }),
-            q: f32_tile(t.br * ld.q),
-            dout: f32_tile(t.br * ld.o),
+            q: f32_tile(t.br * ld.d),
+            dout: f32_tile(t.br * ld.dv),
             lse: vec![0.0; t.br],
             delta: vec![0.0; t.br],
             s: vec![0.0; score],
@@ -173,9 +171,9 @@ impl Scratch {
             tanh: if g.softcap.is_some() { vec![0.0; score] } else { Vec::new() },
             keep: if g.dropout.is_some() { vec![0.0; score] } else { Vec::new() },
             p_dropped: if g.dropout.is_some() { vec![0.0; score] } else { Vec::new() },
-            k: f32_tile(t.bc * ld.k),
+            k: f32_tile(t.bc * ld.d),
             kt: f32_tile(d * ld.s),
-            v: f32_tile(t.bc * ld.v),
+            v: f32_tile(t.bc * ld.dv),
             vt: f32_tile(dv * ld.s),
             dk: vec![0.0; t.bc * d],
             dv: vec![0.0; t.bc * dv],
@@ -249,10 +247,10 @@ impl<T: Element> Context<'_, T> {
                 pack_row_pairs(&mut pt.k_keys, d, bits.k, g.k, seq, k_start, c, kv_head, d);
             } else {
                 let ld = sc.ld;
-                load_rows(&mut sc.k, ld.k, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
-                transpose(self.isa, &mut sc.kt, ld.s, &sc.k, ld.k, nc, d);
-                load_rows(&mut sc.v, ld.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
-                transpose(self.isa, &mut sc.vt, ld.s, &sc.v, ld.v, nc, dv);
+                load_rows(&mut sc.k, ld.d, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
+                transpose(self.isa, &mut sc.kt, ld.s, &sc.k, ld.d, nc, d);
+                load_rows(&mut sc.v, ld.dv, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
+                transpose(self.isa, &mut sc.vt, ld.s, &sc.v, ld.dv, nc, dv);
             }
             sc.dk[..nc * d].fill(0.0);
             sc.dv[..nc * dv].fill(0.0);
@@ -317,10 +315,10 @@ impl<T: Element> Context<'_, T> {
             }
             (_, pairs) => {
                 sc.pairs = pairs;
-                load_rows(&mut sc.q, ld.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0);
+                load_rows(&mut sc.q, ld.d, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0);
                 load_rows(
                     &mut sc.dout,
-                    ld.o,
+                    ld.dv,
                     self.dout,
                     self.dout_layout,
                     seq,
@@ -330,7 +328,7 @@ impl<T: Element> Context<'_, T> {
                     dv,
                     1.0,
                 );
-                RowOperands::F32 { q: &sc.q, ldq: ld.q, dout: &sc.dout, ldo: ld.o }
+                RowOperands::F32 { q: &sc.q, ldq: ld.d, dout: &sc.dout, ldo: ld.dv }
             }
         };
         for (r, i) in rows.clone().enumerate() {
@@ -453,7 +451,7 @@ impl<T: Element> Context<'_, T> {
                     }
                 }
                 gemm_ta(self.isa, &mut sc.dk, d, &sc.s, lds, q, ldq, (nc, d, nr), true);
-                gemm(self.isa, dq, d, &sc.s, lds, &sc.k, ld.k, (nr, d, nc), true);
+                gemm(self.isa, dq, d, &sc.s, lds, &sc.k, ld.d, (nr, d, nc), true);
             }
             RowOperands::Pairs(mut pt, slot) => {
                 // dS rounded to bf16 once, in both layouts, in one pass over P and dP.
