@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 
-use super::blocking::{padded_stride, Tiles};
+use super::blocking::{Strides, Tiles};
 use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair};
 use super::isa::Isa;
 use super::pairs::{ds_to_pairs, narrow_row_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
@@ -58,31 +58,9 @@ pub(super) struct Scratch {
     /// The operands as `bf16` pairs, when the products run on them (then `q`, `dout`, `k`, `kt`,
     /// `v`, `vt` stay empty).
     pairs: Option<PairTiles>,
-    /// Row strides of the tiles above.
+    /// Row strides of the tiles above (`Q_i` and `dO_i` are copied at them rather than read in
+    /// place at a token stride, which put every row of a GEMM panel in one L1 set).
     ld: Strides,
-}
-
-/// Row strides of the backward's `f32` tiles: the score-shaped ones (`s`: `S`, `dP`, `tanh`,
-/// `keep`, `P'`, and `Kᵀ`, `Vᵀ`, which share the products' stride with them), the rows of head
-/// dim `d` (`Q_i`, `K_j`) and of head dim `dv` (`dO_i`, `V_j`), each [`padded_stride`] of its
-/// width on the `f32` path (a GEMM panel's rows spread over the L1 sets; `Q_i` and `dO_i` are
-/// copied at it rather than read in place at a token stride, which put every row of a panel in one
-/// set). On `bf16` pairs, the widths.
-#[derive(Clone, Copy)]
-struct Strides {
-    s: usize,
-    d: usize,
-    dv: usize,
-}
-
-impl Strides {
-    fn new(d: usize, dv: usize, bc: usize, pairs: bool) -> Self {
-        if pairs {
-            Strides { s: bc, d, dv }
-        } else {
-            Strides { s: padded_stride(bc), d: padded_stride(d), dv: padded_stride(dv) }
-        }
-    }
 }
 
 /// The five products' operands in the pair layout of [`gemm_bf16`]: pairs along the head dims

@@ -55,6 +55,32 @@ pub fn padded_stride(n: usize) -> usize {
     16 * (n.div_ceil(16) | 1)
 }
 
+/// Row strides, in `f32` elements, of the tiles the `f32` products run on: the score-shaped ones
+/// (`s`: `S`, `dP` and their companions, and `Kᵀ`, `Vᵀ`, which a product reads at the stride it
+/// writes `S` with), the rows of head dim `d` (`Q_i`, `K_j`) and of head dim `dv` (`dO_i`, `V_j`),
+/// each [`padded_stride`] of its width. The products on `bf16` pairs keep the widths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strides {
+    /// Score-shaped tiles (`Bc` columns).
+    pub s: usize,
+    /// Rows of head dim `d`.
+    pub d: usize,
+    /// Rows of head dim `dv`.
+    pub dv: usize,
+}
+
+impl Strides {
+    /// The strides for head dims `d`, `dv` and key tiles of `bc`; on `bf16` pairs (`pairs`), the
+    /// widths themselves.
+    pub fn new(d: usize, dv: usize, bc: usize, pairs: bool) -> Self {
+        if pairs {
+            Strides { s: bc, d, dv }
+        } else {
+            Strides { s: padded_stride(bc), d: padded_stride(d), dv: padded_stride(dv) }
+        }
+    }
+}
+
 /// Tile sizes of the backward pass. They depend on the head dims only — not on the thread count
 /// — because the backward pass promises bitwise identical results on any number of threads.
 pub fn backward_tiles(d: usize, dv: usize) -> Tiles {

@@ -4,7 +4,7 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::blocking::{padded_stride, Tiles};
+use super::blocking::{Strides, Tiles};
 use super::gemm::{gemm, gemm_acc_skipping_zeros, gemm_bf16, Bf16Pair};
 use super::isa::Isa;
 use super::pairs::{narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
@@ -112,33 +112,6 @@ fn zeros<E: Copy + Default>(mut v: Vec<E>, n: usize) -> Vec<E> {
     v
 }
 
-/// Row strides of the `f32` path's packed tiles: `Q_i` (`q`), `K_jᵀ` and `S_ij` (`s`, one stride
-/// for both: the product writes `S` with the stride it reads `Kᵀ` with), and the cached `V_j`
-/// (`v`), each [`padded_stride`] of its width so that a GEMM panel's rows spread over the L1
-/// sets. The products on `bf16` pairs keep their tiles' widths.
-#[derive(Clone, Copy)]
-pub(super) struct Strides {
-    q: usize,
-    s: usize,
-    v: usize,
-}
-
-impl Strides {
-    fn new(g: &Geometry<'_>, t: Tiles, pairs: bool) -> Self {
-        if pairs {
-            Strides { q: g.d, s: t.bc, v: g.dv }
-        } else {
-            Strides { q: padded_stride(g.d), s: padded_stride(t.bc), v: padded_stride(g.dv) }
-        }
-    }
-
-    /// Whether `f32` `V` rows at `token_stride` can be read in place: only at the packed
-    /// stride (a stride of a power of two lines would put a panel's rows in a few L1 sets).
-    pub(super) fn reads_v_in_place(g: &Geometry<'_>, t: Tiles) -> bool {
-        g.v.token_stride == Strides::new(g, t, false).v
-    }
-}
-
 /// Bytes of forward scratch a thread keeps between calls ([`Pooled`]): the two tile caches at
 /// their budget ([`super::blocking::KV_CACHE_BUDGET`] each) and the tiles.
 const KEPT_BYTES: usize = 16 << 20;
@@ -213,8 +186,8 @@ impl Scratch {
         let (kt_len, v_len) = (g.d.div_ceil(2) * t.bc, t.bc.div_ceil(2) * g.dv);
         let pair_slots = key_tiles.min(cache_budget / (4 * (kt_len + v_len)).max(1));
         // The f32 path's tiles at padded row strides (`Strides`).
-        let st = Strides::new(g, t, pairs);
-        let (f32_kt_len, f32_v_len) = (g.d * st.s, t.bc * st.v);
+        let st = Strides::new(g.d, g.dv, t.bc, pairs);
+        let (f32_kt_len, f32_v_len) = (g.d * st.s, t.bc * st.dv);
         let f32_slots = |len: usize| if pairs { 0 } else { key_tiles.min(cache_budget / (4 * len).max(1)) };
         let (pq, pkt, pv, pp, pkc, pvc) = match old_pairs {
             Some(p) => (p.q, p.kt, p.v, p.p, Some(p.kt_cache), Some(p.v_cache)),
@@ -347,15 +320,15 @@ impl<T: Element> Context<'_, T> {
         // dot products, not Q: rounding q · scale per element costs accuracy at large scales.
         let dp = d.div_ceil(2);
         let pairs = self.bf16.is_some() && sc.pairs.is_some();
-        let st = Strides::new(g, self.tiles, pairs);
+        let st = Strides::new(d, dv, bc, pairs);
         let lds = st.s;
         match (self.bf16, sc.pairs.as_mut()) {
             (Some(bits), Some(pt)) => pack_rows(&mut pt.q, dp, bits.q, g.q, seq, seq.q_start, rows.clone(), head, d),
             _ => {
-                if sc.q.len() < nr * st.q {
-                    sc.q.resize(nr * st.q, 0.0);
+                if sc.q.len() < nr * st.d {
+                    sc.q.resize(nr * st.d, 0.0);
                 }
-                load_rows(&mut sc.q, st.q, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0)
+                load_rows(&mut sc.q, st.d, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0)
             }
         }
         sc.o[..nr * dv].fill(0.0);
@@ -397,7 +370,7 @@ impl<T: Element> Context<'_, T> {
                         let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
                         transpose(self.isa, dst, lds, k, ldk, n, d);
                     });
-                    QkOperands::F32 { q: &sc.q, ldq: st.q, kt }
+                    QkOperands::F32 { q: &sc.q, ldq: st.d, kt }
                 }
             };
 
@@ -463,9 +436,9 @@ impl<T: Element> Context<'_, T> {
             // place (or widened) per query tile as before.
             let (v, ldv) = if sc.v_cache.holds(key_tile) {
                 let vt = sc.v_cache.tile(key_tile, &mut [], |dst, _| {
-                    load_rows(dst, st.v, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv, 1.0)
+                    load_rows(dst, st.dv, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv, 1.0)
                 });
-                (&vt[(cols.start - whole.start) * st.v..], st.v)
+                (&vt[(cols.start - whole.start) * st.dv..], st.dv)
             } else {
                 rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv)
             };

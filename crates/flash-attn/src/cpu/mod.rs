@@ -334,7 +334,7 @@ fn forward_with_cache_budget<T: Element>(
     };
     // V is packed once per unit unless its rows can be read in place as they are (f32, at the
     // packed stride).
-    let pack_v = T::as_f32(v.data()).is_none() || !forward::Strides::reads_v_in_place(g, tiles);
+    let pack_v = T::as_f32(v.data()).is_none() || g.v.token_stride != blocking::padded_stride(g.dv);
     for_each_dynamic(
         &units,
         || forward::Pooled::new(g, tiles, bf16.is_some(), pack_v, cache_budget),
