@@ -319,7 +319,7 @@ impl<T: Element> Context<'_, T> {
         // it is the only score modifier, is folded into the exponent (one pass fewer).
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
         let qk = match &ops {
-            RowOperands::F32 { q, ldq, .. } => QkOperands::F32 { q, ldq: *ldq, kt: &sc.kt },
+            RowOperands::F32 { q, ldq, .. } => QkOperands::F32 { q, ldq: *ldq, kt: &sc.kt, kt_panels: false },
             RowOperands::Pairs(pt, slot) => {
                 QkOperands::Bf16Pairs { q: pt.rows.part(*slot, 0), ldq: d.div_ceil(2), kt: &pt.kt }
             }

@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use super::gemm::{gemm, gemm_acc_skipping_zeros};
+use super::gemm::{gemm, gemm_acc_skipping_zeros, BLayout};
 use super::isa::Isa;
 use super::softmax::{merge_row, OnlineSoftmax};
 use super::transpose::transpose;
@@ -494,7 +494,7 @@ fn unit_pass<T: Element>(
             } else {
                 // Masked probabilities are exact zeros: 0 · inf must not reach rows that cannot
                 // see it.
-                gemm_acc_skipping_zeros(oh, dv, sh, BC, &sc.v, dv, (n, dv, nc));
+                gemm_acc_skipping_zeros(oh, dv, sh, BC, &sc.v, BLayout::rows(dv), (n, dv, nc));
             }
         }
     }

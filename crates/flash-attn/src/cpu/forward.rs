@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use super::blocking::{Strides, Tiles};
-use super::gemm::{gemm, gemm_acc_skipping_zeros, gemm_bf16, Bf16Pair};
+use super::gemm::{gemm_acc_skipping_zeros, gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
 use super::pairs::{narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::softmax::OnlineSoftmax;
@@ -29,13 +29,16 @@ pub(super) struct Scratch {
     s: Vec<f32>,
     o: Vec<f32>,
     softmax: OnlineSoftmax,
-    /// `K_jᵀ` tiles of the unit's (sequence, kv head), for the `f32` products.
+    /// `K_jᵀ` tiles of the unit's (sequence, kv head), for the `f32` products, in panels of
+    /// [`PANEL_WIDTH`] keys ([`BLayout::panels`] of `d` rows): each GEMM micro-tile reads its
+    /// keys' slice as one sequential stream.
     kt_cache: TileCache<f32>,
-    /// `V_j` tiles of the unit's (sequence, kv head), rows contiguous (stride `dv`), for the `f32`
-    /// product `P·V`, unless `V` is `f32` with contiguous rows (then it is read in place). Read in
-    /// place, rows a token stride apart (4 KB at 8 heads of d = 128) are one page per key, and the
-    /// forward ran 5–9% slower at s ≥ 2k; inputs of other types are widened once per unit
-    /// instead of once per query tile.
+    /// `V_j` tiles of the unit's (sequence, kv head) in panels of [`PANEL_WIDTH`] columns
+    /// ([`BLayout::panels`] of `Bc` rows), for the `f32` product `P·V`, unless `V` is `f32` with
+    /// rows at the padded stride (then it is read in place). Read in place, rows a token stride
+    /// apart (4 KB at 8 heads of d = 128) are one page per key, and the forward ran 5–9% slower
+    /// at s ≥ 2k; inputs of other types are widened once per unit instead of once per query
+    /// tile.
     v_cache: TileCache<f32>,
     /// The operand tiles as `bf16` pairs, when the products run on them (then `q`, `k`, `kt`, `v`
     /// and `kt_cache` stay empty).
@@ -187,7 +190,8 @@ impl Scratch {
         let pair_slots = key_tiles.min(cache_budget / (4 * (kt_len + v_len)).max(1));
         // The f32 path's tiles at padded row strides (`Strides`).
         let st = Strides::new(g.d, g.dv, t.bc, pairs);
-        let (f32_kt_len, f32_v_len) = (g.d * st.s, t.bc * st.dv);
+        let panels = |n: usize| n.div_ceil(PANEL_WIDTH) * PANEL_WIDTH;
+        let (f32_kt_len, f32_v_len) = (g.d * panels(t.bc), t.bc * panels(g.dv));
         let f32_slots = |len: usize| if pairs { 0 } else { key_tiles.min(cache_budget / (4 * len).max(1)) };
         let (pq, pkt, pv, pp, pkc, pvc) = match old_pairs {
             Some(p) => (p.q, p.kt, p.v, p.p, Some(p.kt_cache), Some(p.v_cache)),
@@ -368,9 +372,13 @@ impl<T: Element> Context<'_, T> {
                         let keys = packed(slot);
                         let n = keys.len();
                         let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
-                        transpose(self.isa, dst, lds, k, ldk, n, d);
+                        // Panel by panel: the panel's d × 16 block holds its 16 keys' columns.
+                        for (p, dst) in dst.chunks_mut(PANEL_WIDTH * d).take(n.div_ceil(PANEL_WIDTH)).enumerate() {
+                            let keys = (n - p * PANEL_WIDTH).min(PANEL_WIDTH);
+                            transpose(self.isa, dst, PANEL_WIDTH, &k[p * PANEL_WIDTH * ldk..], ldk, keys, d);
+                        }
                     });
-                    QkOperands::F32 { q: &sc.q, ldq: st.d, kt }
+                    QkOperands::F32 { q: &sc.q, ldq: st.d, kt, kt_panels: true }
                 }
             };
 
@@ -432,28 +440,32 @@ impl<T: Element> Context<'_, T> {
                 }
                 continue;
             }
-            // V_j from the unit's cache (rows packed once per unit); past the cache's slots, in
-            // place (or widened) per query tile as before.
-            let (v, ldv) = if sc.v_cache.holds(key_tile) {
+            // V_j from the unit's cache (packed in panels once per unit); past the cache's slots,
+            // in place (or widened) per query tile as before.
+            let (v, vl) = if sc.v_cache.holds(key_tile) {
+                let (v_buf, bc_rows) = (&mut sc.v, bc);
                 let vt = sc.v_cache.tile(key_tile, &mut [], |dst, _| {
-                    load_rows(dst, st.dv, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv, 1.0)
+                    let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv);
+                    pack_panels(dst, bc_rows, rows, ld, whole.len(), dv);
                 });
-                (&vt[(cols.start - whole.start) * st.dv..], st.dv)
+                let vl = BLayout::panels(bc);
+                (&vt[vl.index(cols.start - whole.start, 0)..], vl)
             } else {
-                rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv)
+                let (v, ldv) = rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
+                (v, BLayout::rows(ldv))
             };
             if class == TileClass::Full {
-                gemm(self.isa, &mut sc.o, dv, &sc.s, lds, v, ldv, (nr, dv, nc), true);
+                gemm_b(self.isa, &mut sc.o, dv, &sc.s, lds, v, vl, (nr, dv, nc), true);
             } else if !self.v_finite {
                 // Masked probabilities are exact zeros: never form 0 · NaN for a hidden key.
-                gemm_acc_skipping_zeros(&mut sc.o, dv, &sc.s, lds, v, ldv, (nr, dv, nc));
+                gemm_acc_skipping_zeros(&mut sc.o, dv, &sc.s, lds, v, vl, (nr, dv, nc));
             } else {
                 // Panel by panel, over the keys the panel can see (the rest of P is exact zeros).
                 for (p0, keys) in panels(&vis, rows.clone(), cols.clone()) {
                     let n = (p0 + PANEL).min(nr) - p0;
                     if !keys.is_empty() {
                         let (o, p) = (&mut sc.o[p0 * dv..], &sc.s[p0 * lds + keys.start..]);
-                        gemm(self.isa, o, dv, p, lds, &v[keys.start * ldv..], ldv, (n, dv, keys.len()), true);
+                        gemm_b(self.isa, o, dv, p, lds, &v[vl.index(keys.start, 0)..], vl, (n, dv, keys.len()), true);
                     }
                 }
             }
@@ -481,6 +493,19 @@ impl<T: Element> Context<'_, T> {
             T::narrow_slice(o, unsafe { self.out.slice_mut(dst, dv) });
             // SAFETY: as above, for the lse entry of (seq, head, i).
             unsafe { self.lse.write(g.lse_index(seq, head, i), lse) };
+        }
+    }
+}
+
+/// Copies `n` rows of `width` elements (`src`, row stride `ld`) into `dst` in [`BLayout::panels`]
+/// of `rows` rows: column `j` of row `r` at `(j / 16) · 16 · rows + 16 · r + j % 16`.
+fn pack_panels(dst: &mut [f32], rows: usize, src: &[f32], ld: usize, n: usize, width: usize) {
+    let bl = BLayout::panels(rows);
+    for r in 0..n {
+        for j0 in (0..width).step_by(PANEL_WIDTH) {
+            let w = (width - j0).min(PANEL_WIDTH);
+            let at = bl.index(r, j0);
+            dst[at..at + w].copy_from_slice(&src[r * ld + j0..r * ld + j0 + w]);
         }
     }
 }

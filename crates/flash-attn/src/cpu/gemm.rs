@@ -1,6 +1,10 @@
 //! The one matrix micro-kernel every tile product goes through: `C (+)= A · B` on `f32` tiles,
 //! with `B` row-major (packed so its rows are contiguous).
 //!
+//! `B` may also lie in panels of [`PANEL_WIDTH`] columns ([`BLayout::panels`], [`gemm_b`]): each
+//! panel's rows contiguous, one panel after another, so a micro-tile reads its slice of `B` as one
+//! sequential stream (the forward's packed `Kᵀ` and `V` tiles).
+//!
 //! `A` may be given transposed (stored `k × m`, [`gemm_ta`]). Attention's products all take one
 //! of these forms once the right operand is packed: `S = Q · Kᵀ` (B = Kᵀ, packed `d × Bc`),
 //! `O += P · V` (B = V), and in the backward pass `dP = dO · Vᵀ`, `dV += Pᵀ · dO` (A = P,
@@ -30,7 +34,7 @@ pub fn gemm(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_with(isa, c, ldc, a, lda, false, b, ldb, (m, n, k), accumulate)
+    gemm_with(isa, c, ldc, a, lda, false, b, BLayout::rows(ldb), (m, n, k), accumulate)
 }
 
 /// `C[m × n] (+)= Aᵀ · B` where `a` holds `A` transposed: `k × m`, row stride `lda`.
@@ -47,7 +51,68 @@ pub fn gemm_ta(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    gemm_with(isa, c, ldc, a, lda, true, b, ldb, (m, n, k), accumulate)
+    gemm_with(isa, c, ldc, a, lda, true, b, BLayout::rows(ldb), (m, n, k), accumulate)
+}
+
+/// Columns per panel of a `B` in [`BLayout::panels`]: the AVX2 micro-tile's width, and half the
+/// AVX-512 one's.
+pub const PANEL_WIDTH: usize = 16;
+
+/// Where the elements of a `B` operand lie: row `p`, column `j` at
+/// `(j / PANEL_WIDTH) · panel + p · ld + j % PANEL_WIDTH`. Row-major ([`BLayout::rows`]) is the
+/// case `panel = PANEL_WIDTH`; in panels ([`BLayout::panels`]) each group of `PANEL_WIDTH` columns
+/// is a block of its own, rows `PANEL_WIDTH` apart. The kernels read whole panels' rows, so the
+/// columns of a product on panels start at a panel's first column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BLayout {
+    /// Distance between consecutive rows of a panel.
+    pub ld: usize,
+    /// Distance between consecutive panels.
+    pub panel: usize,
+}
+
+impl BLayout {
+    /// Row-major at row stride `ld`.
+    pub const fn rows(ld: usize) -> Self {
+        BLayout { ld, panel: PANEL_WIDTH }
+    }
+
+    /// Panels of [`PANEL_WIDTH`] columns by `k` rows, one after another.
+    pub const fn panels(k: usize) -> Self {
+        BLayout { ld: PANEL_WIDTH, panel: PANEL_WIDTH * k }
+    }
+
+    /// Index of row `p`, column `j`.
+    #[inline(always)]
+    pub const fn index(&self, p: usize, j: usize) -> usize {
+        (j / PANEL_WIDTH) * self.panel + p * self.ld + j % PANEL_WIDTH
+    }
+
+    /// Elements a `k × n` operand spans (`0` when empty).
+    const fn span(&self, k: usize, n: usize) -> usize {
+        if k == 0 || n == 0 {
+            0
+        } else {
+            self.index(k - 1, n - 1) + 1
+        }
+    }
+}
+
+/// [`gemm`] with `B` in `bl`'s layout.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn gemm_b(
+    isa: Isa,
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    bl: BLayout,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    gemm_with(isa, c, ldc, a, lda, false, b, bl, (m, n, k), accumulate)
 }
 
 /// [`gemm`] (`trans_a = false`) or [`gemm_ta`]. A path the CPU lacks falls back to the portable
@@ -61,22 +126,25 @@ pub fn gemm_with(
     lda: usize,
     trans_a: bool,
     b: &[f32],
-    ldb: usize,
+    bl: BLayout,
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
     if m == 0 || n == 0 {
         return;
     }
-    // The intrinsic paths index without bounds checks: establish every access is in bounds.
+    // The intrinsic paths index without bounds checks: establish every access is in bounds. The
+    // last panel's last row ends the operand whenever panels are at least a panel row apart.
     let (a_rows, a_cols) = if trans_a { (k, m) } else { (m, k) };
     assert!(
         c.len() >= (m - 1) * ldc + n
-            && (k == 0 || (a.len() >= (a_rows - 1) * lda + a_cols && b.len() >= (k - 1) * ldb + n))
+            && (k == 0 || (a.len() >= (a_rows - 1) * lda + a_cols && b.len() >= bl.span(k, n)))
             && ldc >= n
-            && (k == 0 || (lda >= a_cols && ldb >= n)),
+            && bl.panel >= PANEL_WIDTH
+            && (k == 0 || (lda >= a_cols && bl.ld >= n.min(PANEL_WIDTH))),
         "gemm: tile views out of bounds"
     );
+    let (ldb, bps) = (bl.ld, bl.panel);
     #[cfg(target_arch = "x86_64")]
     {
         match isa {
@@ -85,9 +153,9 @@ pub fn gemm_with(
                 // bounds every access the kernel makes.
                 return unsafe {
                     if trans_a {
-                        x86::gemm_avx512::<true>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                        x86::gemm_avx512::<true>(c, ldc, a, lda, b, (ldb, bps), m, n, k, accumulate)
                     } else {
-                        x86::gemm_avx512::<false>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                        x86::gemm_avx512::<false>(c, ldc, a, lda, b, (ldb, bps), m, n, k, accumulate)
                     }
                 };
             }
@@ -95,9 +163,9 @@ pub fn gemm_with(
                 // SAFETY: as above, for AVX2 and FMA.
                 return unsafe {
                     if trans_a {
-                        x86::gemm_avx2::<true>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                        x86::gemm_avx2::<true>(c, ldc, a, lda, b, (ldb, bps), m, n, k, accumulate)
                     } else {
-                        x86::gemm_avx2::<false>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                        x86::gemm_avx2::<false>(c, ldc, a, lda, b, (ldb, bps), m, n, k, accumulate)
                     }
                 };
             }
@@ -110,14 +178,14 @@ pub fn gemm_with(
         // access the kernel makes.
         return unsafe {
             if trans_a {
-                super::neon::gemm::<true>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                super::neon::gemm::<true>(c, ldc, a, lda, b, (ldb, bps), m, n, k, accumulate)
             } else {
-                super::neon::gemm::<false>(c, ldc, a, lda, b, ldb, m, n, k, accumulate)
+                super::neon::gemm::<false>(c, ldc, a, lda, b, (ldb, bps), m, n, k, accumulate)
             }
         };
     }
     let _ = isa;
-    gemm_portable(c, ldc, a, lda, trans_a, b, ldb, m, n, k, accumulate)
+    gemm_portable(c, ldc, a, lda, trans_a, b, bl, m, n, k, accumulate)
 }
 
 /// Two `bf16` values (raw bits) in one word: element `2p` in the low half, `2p + 1` in the high
@@ -243,7 +311,8 @@ pub fn gemm_bf16_with(
 
 /// `C += A · B` skipping the zero entries of `A`, so that `0 · x` is never formed: for products
 /// whose zeros are masked probabilities and whose `B` may hold NaN or infinities, which must not
-/// reach rows that cannot see them. Portable and slower; used only on such inputs.
+/// reach rows that cannot see them. Portable and slower; used only on such inputs. `B` in `bl`'s
+/// layout.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_acc_skipping_zeros(
     c: &mut [f32],
@@ -251,7 +320,7 @@ pub fn gemm_acc_skipping_zeros(
     a: &[f32],
     lda: usize,
     b: &[f32],
-    ldb: usize,
+    bl: BLayout,
     (m, n, k): (usize, usize, usize),
 ) {
     for i in 0..m {
@@ -259,8 +328,11 @@ pub fn gemm_acc_skipping_zeros(
         for p in 0..k {
             let aip = a[i * lda + p];
             if aip != 0.0 {
-                for (cij, &bpj) in ci.iter_mut().zip(&b[p * ldb..p * ldb + n]) {
-                    *cij += aip * bpj;
+                for (j0, cs) in ci.chunks_mut(PANEL_WIDTH).enumerate().map(|(q, cs)| (q * PANEL_WIDTH, cs)) {
+                    let (at, w) = (bl.index(p, j0), cs.len());
+                    for (cij, &bpj) in cs.iter_mut().zip(&b[at..at + w]) {
+                        *cij += aip * bpj;
+                    }
                 }
             }
         }
@@ -285,7 +357,7 @@ fn gemm_portable(
     lda: usize,
     trans_a: bool,
     b: &[f32],
-    ldb: usize,
+    bl: BLayout,
     m: usize,
     n: usize,
     k: usize,
@@ -298,8 +370,12 @@ fn gemm_portable(
         }
         for p in 0..k {
             let aip = if trans_a { a[a_index::<true>(i, p, lda)] } else { a[a_index::<false>(i, p, lda)] };
-            for (cij, &bpj) in ci.iter_mut().zip(&b[p * ldb..p * ldb + n]) {
-                *cij += aip * bpj;
+            // Panel by panel: within one, the row's columns are contiguous.
+            for (j0, cs) in ci.chunks_mut(PANEL_WIDTH).enumerate().map(|(q, cs)| (q * PANEL_WIDTH, cs)) {
+                let (at, w) = (bl.index(p, j0), cs.len());
+                for (cij, &bpj) in cs.iter_mut().zip(&b[at..at + w]) {
+                    *cij += aip * bpj;
+                }
             }
         }
     }
@@ -322,7 +398,7 @@ mod x86 {
         a: &[f32],
         lda: usize,
         b: &[f32],
-        ldb: usize,
+        ldb: (usize, usize),
         m: usize,
         n: usize,
         k: usize,
@@ -415,7 +491,7 @@ mod x86 {
         a: *const f32,
         lda: usize,
         b: *const f32,
-        ldb: usize,
+        (ldb, bps): (usize, usize),
         i: usize,
         j: usize,
         k: usize,
@@ -427,12 +503,15 @@ mod x86 {
         // masked loads and stores touch only the columns selected by m0/m1.
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
+            // The two 16-column halves are two panels (`j` is a multiple of 32); a fully masked
+            // second half's address may lie past the view (wrapping_add, never dereferenced).
+            let (lo, hi) = (b.add(j / 16 * bps), b.wrapping_add((j / 16 + 1) * bps));
             for p in 0..k {
-                let brow = b.add(p * ldb + j);
+                let (brow, brow_hi) = (lo.add(p * ldb), hi.wrapping_add(p * ldb));
                 let (b0, b1) = if FULL {
-                    (_mm512_loadu_ps(brow), _mm512_loadu_ps(brow.add(16)))
+                    (_mm512_loadu_ps(brow), _mm512_loadu_ps(brow_hi))
                 } else {
-                    (_mm512_maskz_loadu_ps(m0, brow), _mm512_maskz_loadu_ps(m1, brow.add(16)))
+                    (_mm512_maskz_loadu_ps(m0, brow), _mm512_maskz_loadu_ps(m1, brow_hi))
                 };
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let av = _mm512_set1_ps(*a.add(super::a_index::<TA>(i + r, p, lda)));
@@ -568,7 +647,7 @@ mod x86 {
         a: &[f32],
         lda: usize,
         b: &[f32],
-        ldb: usize,
+        ldb: (usize, usize),
         m: usize,
         n: usize,
         k: usize,
@@ -625,7 +704,7 @@ mod x86 {
         a: *const f32,
         lda: usize,
         b: *const f32,
-        ldb: usize,
+        (ldb, bps): (usize, usize),
         i: usize,
         j: usize,
         k: usize,
@@ -637,8 +716,10 @@ mod x86 {
         // the view: wrapping_add, never dereferenced).
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            // The 16 columns are one panel (`j` is a multiple of 16).
+            let panel = b.add(j / 16 * bps);
             for p in 0..k {
-                let brow = b.add(p * ldb + j);
+                let brow = panel.add(p * ldb);
                 let (b0, b1) = if FULL {
                     (_mm256_loadu_ps(brow), _mm256_loadu_ps(brow.add(8)))
                 } else {
@@ -701,7 +782,7 @@ mod tests {
                     let init: Vec<f32> = (0..m * n).map(|x| x as f32 * 0.25).collect();
                     let mut c = init.clone();
                     let (a_op, lda) = if trans_a { (&at, m) } else { (&a, k) };
-                    gemm_with(path, &mut c, n, a_op, lda, trans_a, &b, n, (m, n, k), accumulate);
+                    gemm_with(path, &mut c, n, a_op, lda, trans_a, &b, BLayout::rows(n), (m, n, k), accumulate);
                     for (idx, (&got, &w)) in c.iter().zip(&want).enumerate() {
                         let w = if accumulate { w + init[idx] as f64 } else { w };
                         assert!(
@@ -765,7 +846,7 @@ mod tests {
             for (accumulate, trans_a) in [(false, false), (true, false), (false, true), (true, true)] {
                 let (a_op, lda) = if trans_a { (&at, m) } else { (&a, k) };
                 let mut whole = init.clone();
-                gemm_with(isa, &mut whole, n, a_op, lda, trans_a, &b, n, (m, n, k), accumulate);
+                gemm_with(isa, &mut whole, n, a_op, lda, trans_a, &b, BLayout::rows(n), (m, n, k), accumulate);
                 for (r0, c0) in [(0, 1), (3, 5), (7, 17), (1, 31), (11, 40), (0, 52)] {
                     for (rows, cols) in [(1, 1), (5, 9), (8, 13)] {
                         let (rows, cols) = (rows.min(m - r0), cols.min(n - c0));
@@ -779,7 +860,7 @@ mod tests {
                             lda,
                             trans_a,
                             &b[c0..],
-                            n,
+                            BLayout::rows(n),
                             (rows, cols, k),
                             accumulate,
                         );
@@ -791,6 +872,73 @@ mod tests {
                                     "{isa} acc={accumulate} ta={trans_a} tile at ({r0}, {c0}): [{i}, {j}]"
                                 );
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `B` packed in panels ([`BLayout::panels`]) gives every element the bits of the row-major
+    /// product, on every path: whole, from any panel's first column, and from any row of `B`
+    /// (with `A`'s columns from the same index: a product over a later range of keys).
+    #[test]
+    fn b_in_panels_gives_the_row_major_bits() {
+        let mut rng = crate::check::Rng::new(19);
+        for &(m, n, k) in &[(1, 1, 1), (7, 53, 37), (19, 16, 5), (3, 33, 128), (13, 64, 20)] {
+            let a: Vec<f32> = (0..m * k).map(|_| rng.normal() as f32).collect();
+            let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| rng.normal() as f32).collect();
+            let init: Vec<f32> = (0..m * n).map(|_| rng.normal() as f32).collect();
+            let bl = BLayout::panels(k);
+            // Unused columns of the last panel hold NaN: a kernel that read them would show it.
+            let mut packed = vec![f32::NAN; n.div_ceil(PANEL_WIDTH) * bl.panel];
+            for p in 0..k {
+                for j in 0..n {
+                    packed[bl.index(p, j)] = b[p * n + j];
+                }
+            }
+            for isa in Isa::available() {
+                for (accumulate, trans_a) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let lda = if trans_a { m } else { k };
+                    for c0 in (0..n).step_by(PANEL_WIDTH) {
+                        for p0 in [0, k / 3, k - 1] {
+                            let (cols, depth) = (n - c0, k - p0);
+                            let a_view = if trans_a { &at[p0 * lda..] } else { &a[p0..] };
+                            let mut want = init.clone();
+                            let b_rows = &b[p0 * n + c0..];
+                            gemm_with(
+                                isa,
+                                &mut want[c0..],
+                                n,
+                                a_view,
+                                lda,
+                                trans_a,
+                                b_rows,
+                                BLayout::rows(n),
+                                (m, cols, depth),
+                                accumulate,
+                            );
+                            let mut got = init.clone();
+                            let b_panels = &packed[bl.index(p0, c0)..];
+                            gemm_with(
+                                isa,
+                                &mut got[c0..],
+                                n,
+                                a_view,
+                                lda,
+                                trans_a,
+                                b_panels,
+                                bl,
+                                (m, cols, depth),
+                                accumulate,
+                            );
+                            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&want),
+                                "{isa} {m}x{n}x{k} acc={accumulate} ta={trans_a} from ({p0}, {c0})"
+                            );
                         }
                     }
                 }
@@ -843,7 +991,7 @@ mod tests {
         let b: Vec<f32> = (0..k * ld).map(|x| (x % 5) as f32 - 2.0).collect();
         for path in Isa::available() {
             let mut c = vec![7.0f32; m * ld];
-            gemm_with(path, &mut c, ld, &a, ld, false, &b, ld, (m, n, k), false);
+            gemm_with(path, &mut c, ld, &a, ld, false, &b, BLayout::rows(ld), (m, n, k), false);
             for i in 0..m {
                 assert!(c[i * ld + n..(i + 1) * ld].iter().all(|&x| x == 7.0), "{path:?}");
             }

@@ -29,7 +29,7 @@ pub unsafe fn gemm<const TA: bool>(
     a: &[f32],
     lda: usize,
     b: &[f32],
-    ldb: usize,
+    ldb: (usize, usize),
     m: usize,
     n: usize,
     k: usize,
@@ -64,7 +64,8 @@ pub unsafe fn gemm<const TA: bool>(
         for jj in n8..n {
             let mut s = 0.0f32;
             for p in 0..k {
-                s = a[super::gemm::a_index::<TA>(i, p, lda)].mul_add(b[p * ldb + jj], s);
+                let at = super::gemm::BLayout { ld: ldb.0, panel: ldb.1 }.index(p, jj);
+                s = a[super::gemm::a_index::<TA>(i, p, lda)].mul_add(b[at], s);
             }
             let cij = &mut c[i * ldc + jj];
             *cij = if accumulate { s + *cij } else { s };
@@ -85,7 +86,7 @@ unsafe fn tile<const R: usize, const TA: bool>(
     a: *const f32,
     lda: usize,
     b: *const f32,
-    ldb: usize,
+    (ldb, bps): (usize, usize),
     i: usize,
     j: usize,
     k: usize,
@@ -94,8 +95,10 @@ unsafe fn tile<const R: usize, const TA: bool>(
     // SAFETY (whole body): offsets stay within the views the caller bounded.
     unsafe {
         let mut acc = [[vdupq_n_f32(0.0); 2]; R];
+        // The 8 columns lie in one panel of 16 (`j` is a multiple of 8).
+        let panel = b.add(j / 16 * bps + j % 16);
         for p in 0..k {
-            let brow = b.add(p * ldb + j);
+            let brow = panel.add(p * ldb);
             let (b0, b1) = (vld1q_f32(brow), vld1q_f32(brow.add(4)));
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let av = *a.add(super::gemm::a_index::<TA>(i + r, p, lda));

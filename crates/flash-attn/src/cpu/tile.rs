@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::gemm::{gemm, gemm_bf16, Bf16Pair};
+use super::gemm::{gemm, gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
 use crate::dtype::Element;
 use crate::mask::{TileClass, Visibility};
@@ -120,21 +120,37 @@ pub(super) fn rows_f32<'s, T: Element>(
     (buf, dim)
 }
 
-/// The operands of `S = Q Kᵀ` for one tile: `Q` (row stride `ldq`) and the packed `Kᵀ` (row
-/// stride the score tile's), in `f32` or as `bf16` pairs along the head dim.
+/// The operands of `S = Q Kᵀ` for one tile: `Q` (row stride `ldq`) and the packed `Kᵀ`, in `f32`
+/// (row-major at the score tile's row stride, or in [`BLayout::panels`] of `d` rows when
+/// `kt_panels`) or as `bf16` pairs along the head dim (at the score tile's row stride).
 #[derive(Clone, Copy)]
 pub(super) enum QkOperands<'a> {
-    F32 { q: &'a [f32], ldq: usize, kt: &'a [f32] },
+    F32 { q: &'a [f32], ldq: usize, kt: &'a [f32], kt_panels: bool },
     Bf16Pairs { q: &'a [Bf16Pair], ldq: usize, kt: &'a [Bf16Pair] },
 }
 
 impl QkOperands<'_> {
-    /// `s[r][c] = q[r0 + r] · k[c0 + c]` for `n` rows and `nc` columns; `ld` is the row stride of
-    /// `s` and of `Kᵀ`.
+    /// The first column a product may start at, for keys from `c`: a panel's first column when
+    /// `Kᵀ` lies in panels (the columns before `c` are then computed too), else `c`.
+    fn first_column(&self, c: usize) -> usize {
+        match *self {
+            QkOperands::F32 { kt_panels: true, .. } => c / PANEL_WIDTH * PANEL_WIDTH,
+            _ => c,
+        }
+    }
+
+    /// `s[r][c] = q[r0 + r] · k[c0 + c]` for `n` rows and `nc` columns (`c0` from
+    /// [`Self::first_column`]); `ld` is the row stride of `s` (and of a row-major `Kᵀ`).
     #[allow(clippy::too_many_arguments)]
     fn product(&self, isa: Isa, s: &mut [f32], ld: usize, r0: usize, c0: usize, (n, nc, d): (usize, usize, usize)) {
         match *self {
-            QkOperands::F32 { q, ldq, kt } => gemm(isa, s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d), false),
+            QkOperands::F32 { q, ldq, kt, kt_panels: true } => {
+                let bl = BLayout::panels(d);
+                gemm_b(isa, s, ld, &q[r0 * ldq..], ldq, &kt[bl.index(0, c0)..], bl, (n, nc, d), false)
+            }
+            QkOperands::F32 { q, ldq, kt, kt_panels: false } => {
+                gemm(isa, s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d), false)
+            }
             QkOperands::Bf16Pairs { q, ldq, kt } => {
                 gemm_bf16(isa, s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d.div_ceil(2)), false)
             }
@@ -169,9 +185,11 @@ pub(super) fn score_tile(
         // Only the columns some row of each panel can see: on a causal diagonal about half.
         for (p0, keys) in panels(vis, rows.clone(), cols.clone()) {
             let n = (p0 + PANEL).min(rows.len()) - p0;
+            // Columns outside the panel's keys are invisible: the mask below sets them to -inf
+            // (those computed from a panel's first column too).
+            let keys = if keys.is_empty() { keys } else { qk.first_column(keys.start)..keys.end };
             for r in p0..p0 + n {
-                // Columns outside the panel's keys are invisible: the mask below sets them to
-                // -inf; zero them first so the score modifiers never see stale values.
+                // Zero the rest first, so the score modifiers never see stale values.
                 s[r * ld..r * ld + keys.start].fill(0.0);
                 s[r * ld + keys.end..r * ld + nc].fill(0.0);
             }
