@@ -12,10 +12,10 @@
 use rayon::prelude::*;
 
 use super::blocking::{Strides, Tiles};
-use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair};
+use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
 use super::pairs::{ds_to_pairs, narrow_row_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
-use super::tile::{load_rows, score_tile, QkOperands, ScoreMod};
+use super::tile::{load_rows, score_tile, transpose_panels, QkOperands, ScoreMod};
 use super::transpose::transpose;
 use super::vexp::{exp_scaled_row_pairs, exp_scaled_sub_sum};
 use super::Sink;
@@ -50,6 +50,9 @@ pub(super) struct Scratch {
     keep: Vec<f32>,
     p_dropped: Vec<f32>,
     k: Vec<f32>,
+    /// `K_jᵀ` in [`BLayout::panels`](super::gemm::BLayout::panels), as `score_tile` takes it (the
+    /// other `B` operands stay row-major: in the backward, whose tiles stay in L1 and L2, panels
+    /// of them measured level).
     kt: Vec<f32>,
     v: Vec<f32>,
     vt: Vec<f32>,
@@ -150,7 +153,7 @@ impl Scratch {
             keep: if g.dropout.is_some() { vec![0.0; score] } else { Vec::new() },
             p_dropped: if g.dropout.is_some() { vec![0.0; score] } else { Vec::new() },
             k: f32_tile(t.bc * ld.d),
-            kt: f32_tile(d * ld.s),
+            kt: f32_tile(d * t.bc.div_ceil(PANEL_WIDTH) * PANEL_WIDTH),
             v: f32_tile(t.bc * ld.dv),
             vt: f32_tile(dv * ld.s),
             dk: vec![0.0; t.bc * d],
@@ -226,7 +229,7 @@ impl<T: Element> Context<'_, T> {
             } else {
                 let ld = sc.ld;
                 load_rows(&mut sc.k, ld.d, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
-                transpose(self.isa, &mut sc.kt, ld.s, &sc.k, ld.d, nc, d);
+                transpose_panels(self.isa, &mut sc.kt, &sc.k, ld.d, nc, d);
                 load_rows(&mut sc.v, ld.dv, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
                 transpose(self.isa, &mut sc.vt, ld.s, &sc.v, ld.dv, nc, dv);
             }
@@ -319,7 +322,7 @@ impl<T: Element> Context<'_, T> {
         // it is the only score modifier, is folded into the exponent (one pass fewer).
         let tanh = smod.has_softcap().then_some(&mut sc.tanh[..]);
         let qk = match &ops {
-            RowOperands::F32 { q, ldq, .. } => QkOperands::F32 { q, ldq: *ldq, kt: &sc.kt, kt_panels: false },
+            RowOperands::F32 { q, ldq, .. } => QkOperands::F32 { q, ldq: *ldq, kt: &sc.kt },
             RowOperands::Pairs(pt, slot) => {
                 QkOperands::Bf16Pairs { q: pt.rows.part(*slot, 0), ldq: d.div_ceil(2), kt: &pt.kt }
             }

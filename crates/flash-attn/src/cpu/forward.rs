@@ -9,8 +9,9 @@ use super::gemm::{gemm_acc_skipping_zeros, gemm_b, gemm_bf16, BLayout, Bf16Pair,
 use super::isa::Isa;
 use super::pairs::{narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::softmax::OnlineSoftmax;
-use super::tile::{load_rows, panels, rows_f32, score_tile, QkOperands, ScoreMod, PANEL};
-use super::transpose::transpose;
+use super::tile::{
+    load_rows, pack_panels, panels, rows_f32, score_tile, transpose_panels, QkOperands, ScoreMod, PANEL,
+};
 use super::Sink;
 use crate::dtype::Element;
 use crate::mask::TileClass;
@@ -372,13 +373,9 @@ impl<T: Element> Context<'_, T> {
                         let keys = packed(slot);
                         let n = keys.len();
                         let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
-                        // Panel by panel: the panel's d × 16 block holds its 16 keys' columns.
-                        for (p, dst) in dst.chunks_mut(PANEL_WIDTH * d).take(n.div_ceil(PANEL_WIDTH)).enumerate() {
-                            let keys = (n - p * PANEL_WIDTH).min(PANEL_WIDTH);
-                            transpose(self.isa, dst, PANEL_WIDTH, &k[p * PANEL_WIDTH * ldk..], ldk, keys, d);
-                        }
+                        transpose_panels(self.isa, dst, k, ldk, n, d);
                     });
-                    QkOperands::F32 { q: &sc.q, ldq: st.d, kt, kt_panels: true }
+                    QkOperands::F32 { q: &sc.q, ldq: st.d, kt }
                 }
             };
 
@@ -493,19 +490,6 @@ impl<T: Element> Context<'_, T> {
             T::narrow_slice(o, unsafe { self.out.slice_mut(dst, dv) });
             // SAFETY: as above, for the lse entry of (seq, head, i).
             unsafe { self.lse.write(g.lse_index(seq, head, i), lse) };
-        }
-    }
-}
-
-/// Copies `n` rows of `width` elements (`src`, row stride `ld`) into `dst` in [`BLayout::panels`]
-/// of `rows` rows: column `j` of row `r` at `(j / 16) · 16 · rows + 16 · r + j % 16`.
-fn pack_panels(dst: &mut [f32], rows: usize, src: &[f32], ld: usize, n: usize, width: usize) {
-    let bl = BLayout::panels(rows);
-    for r in 0..n {
-        for j0 in (0..width).step_by(PANEL_WIDTH) {
-            let w = (width - j0).min(PANEL_WIDTH);
-            let at = bl.index(r, j0);
-            dst[at..at + w].copy_from_slice(&src[r * ld + j0..r * ld + j0 + w]);
         }
     }
 }

@@ -3,8 +3,9 @@
 
 use std::ops::Range;
 
-use super::gemm::{gemm, gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
+use super::gemm::{gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
+use super::transpose::transpose;
 use crate::dtype::Element;
 use crate::mask::{TileClass, Visibility};
 use crate::spec::{Geometry, RowLayout, Sequence};
@@ -121,35 +122,32 @@ pub(super) fn rows_f32<'s, T: Element>(
 }
 
 /// The operands of `S = Q Kᵀ` for one tile: `Q` (row stride `ldq`) and the packed `Kᵀ`, in `f32`
-/// (row-major at the score tile's row stride, or in [`BLayout::panels`] of `d` rows when
-/// `kt_panels`) or as `bf16` pairs along the head dim (at the score tile's row stride).
+/// (`Kᵀ` in [`BLayout::panels`] of `d` rows) or as `bf16` pairs along the head dim (`Kᵀ` at the
+/// score tile's row stride).
 #[derive(Clone, Copy)]
 pub(super) enum QkOperands<'a> {
-    F32 { q: &'a [f32], ldq: usize, kt: &'a [f32], kt_panels: bool },
+    F32 { q: &'a [f32], ldq: usize, kt: &'a [f32] },
     Bf16Pairs { q: &'a [Bf16Pair], ldq: usize, kt: &'a [Bf16Pair] },
 }
 
 impl QkOperands<'_> {
-    /// The first column a product may start at, for keys from `c`: a panel's first column when
-    /// `Kᵀ` lies in panels (the columns before `c` are then computed too), else `c`.
+    /// The first column a product may start at, for keys from `c`: on `f32`, a panel's first
+    /// column (the columns before `c` are then computed too), else `c`.
     fn first_column(&self, c: usize) -> usize {
         match *self {
-            QkOperands::F32 { kt_panels: true, .. } => c / PANEL_WIDTH * PANEL_WIDTH,
-            _ => c,
+            QkOperands::F32 { .. } => c / PANEL_WIDTH * PANEL_WIDTH,
+            QkOperands::Bf16Pairs { .. } => c,
         }
     }
 
     /// `s[r][c] = q[r0 + r] · k[c0 + c]` for `n` rows and `nc` columns (`c0` from
-    /// [`Self::first_column`]); `ld` is the row stride of `s` (and of a row-major `Kᵀ`).
+    /// [`Self::first_column`]); `ld` is the row stride of `s` (and of `Kᵀ` on pairs).
     #[allow(clippy::too_many_arguments)]
     fn product(&self, isa: Isa, s: &mut [f32], ld: usize, r0: usize, c0: usize, (n, nc, d): (usize, usize, usize)) {
         match *self {
-            QkOperands::F32 { q, ldq, kt, kt_panels: true } => {
+            QkOperands::F32 { q, ldq, kt } => {
                 let bl = BLayout::panels(d);
                 gemm_b(isa, s, ld, &q[r0 * ldq..], ldq, &kt[bl.index(0, c0)..], bl, (n, nc, d), false)
-            }
-            QkOperands::F32 { q, ldq, kt, kt_panels: false } => {
-                gemm(isa, s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d), false)
             }
             QkOperands::Bf16Pairs { q, ldq, kt } => {
                 gemm_bf16(isa, s, ld, &q[r0 * ldq..], ldq, &kt[c0..], ld, (n, nc, d.div_ceil(2)), false)
@@ -185,16 +183,16 @@ pub(super) fn score_tile(
         // Only the columns some row of each panel can see: on a causal diagonal about half.
         for (p0, keys) in panels(vis, rows.clone(), cols.clone()) {
             let n = (p0 + PANEL).min(rows.len()) - p0;
-            // Columns outside the panel's keys are invisible: the mask below sets them to -inf
-            // (those computed from a panel's first column too).
-            let keys = if keys.is_empty() { keys } else { qk.first_column(keys.start)..keys.end };
+            // Columns outside the panel's keys are invisible: the mask below sets them to -inf.
+            // Columns outside the panel's keys are zero, so the score modifiers never see stale
+            // values (nor the products of a `Kᵀ` panel's columns before the keys).
+            if !keys.is_empty() {
+                let c0 = qk.first_column(keys.start);
+                qk.product(isa, &mut s[p0 * ld + c0..], ld, p0, c0, (n, keys.end - c0, d));
+            }
             for r in p0..p0 + n {
-                // Zero the rest first, so the score modifiers never see stale values.
                 s[r * ld..r * ld + keys.start].fill(0.0);
                 s[r * ld + keys.end..r * ld + nc].fill(0.0);
-            }
-            if !keys.is_empty() {
-                qk.product(isa, &mut s[p0 * ld + keys.start..], ld, p0, keys.start, (n, keys.len(), d));
             }
         }
     } else {
@@ -238,5 +236,28 @@ pub(super) fn score_tile(
                 }
             }
         }
+    }
+}
+
+/// Copies `n` rows of `width` elements (`src`, row stride `ld`) into `dst` in [`BLayout::panels`]
+/// of `rows` rows (a `B` operand of `n ≤ rows` rows and `width` columns).
+pub(super) fn pack_panels(dst: &mut [f32], rows: usize, src: &[f32], ld: usize, n: usize, width: usize) {
+    let bl = BLayout::panels(rows);
+    for r in 0..n {
+        for j0 in (0..width).step_by(PANEL_WIDTH) {
+            let w = (width - j0).min(PANEL_WIDTH);
+            let at = bl.index(r, j0);
+            dst[at..at + w].copy_from_slice(&src[r * ld + j0..r * ld + j0 + w]);
+        }
+    }
+}
+
+/// The transpose of `n` rows of `width` elements (`src`, row stride `ld`) into `dst` in
+/// [`BLayout::panels`] of `width` rows: a `B` operand of `width` rows and `n` columns (`Kᵀ` from
+/// the rows of `K`), each panel the transpose of 16 rows.
+pub(super) fn transpose_panels(isa: Isa, dst: &mut [f32], src: &[f32], ld: usize, n: usize, width: usize) {
+    for (p, dst) in dst.chunks_mut(PANEL_WIDTH * width).take(n.div_ceil(PANEL_WIDTH)).enumerate() {
+        let rows = (n - p * PANEL_WIDTH).min(PANEL_WIDTH);
+        transpose(isa, dst, PANEL_WIDTH, &src[p * PANEL_WIDTH * ld..], ld, rows, width);
     }
 }
