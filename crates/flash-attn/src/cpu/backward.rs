@@ -40,8 +40,8 @@ pub(super) fn chunks(g: &Geometry<'_>, bc: usize) -> usize {
 /// the bf16 path the packed query tiles of a unit (at most
 /// [`ROW_CACHE_BUDGET`](super::blocking::ROW_CACHE_BUDGET) bytes).
 pub(super) struct Scratch {
-    q: Vec<f32>,
-    dout: Vec<f32>,
+    /// `Q_i` and `dO_i` in `f32` (rows at the strides of `ld`), copied once per unit: `[Q | dO]`.
+    rows: RowSlots<f32>,
     lse: Vec<f32>,
     delta: Vec<f32>,
     s: Vec<f32>,
@@ -58,8 +58,8 @@ pub(super) struct Scratch {
     vt: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
-    /// The operands as `bf16` pairs, when the products run on them (then `q`, `dout`, `k`, `kt`,
-    /// `v`, `vt` stay empty).
+    /// The operands as `bf16` pairs, when the products run on them (then `rows`, `k`, `kt`, `v`,
+    /// `vt` stay empty).
     pairs: Option<PairTiles>,
     /// Row strides of the tiles above (`Q_i` and `dO_i` are copied at them rather than read in
     /// place at a token stride, which put every row of a GEMM panel in one L1 set).
@@ -73,38 +73,39 @@ struct PairTiles {
     kt: Vec<Bf16Pair>,
     vt: Vec<Bf16Pair>,
     k_keys: Vec<Bf16Pair>,
-    /// `Q_i` and `dO_i`, packed once per unit.
-    rows: RowSlots,
+    /// `Q_i` and `dO_i`, packed once per unit: `[Q | dO | Q row pairs | dO row pairs]`.
+    rows: RowSlots<Bf16Pair>,
     p_rows: Vec<Bf16Pair>,
     ds_rows: Vec<Bf16Pair>,
     ds_keys: Vec<Bf16Pair>,
 }
 
-/// `Q_i` and `dO_i` of the query tiles of a unit as the products take them — pairs along the head
-/// dims (`S = Q Kᵀ`, `dP = dO Vᵀ`) and along the rows (`dK += dSᵀ Q`, `dV += Pᵀ dO`) — packed the
-/// first time a unit meets the tile and reused for its other key tiles (a unit's loop runs over
-/// key tiles outside query tiles, so without it each query tile was packed once per key tile).
-/// One slot per (query head of the unit, query tile), up to a budget
+/// `Q_i` and `dO_i` of the query tiles of a unit as the products take them, packed the first
+/// time a unit meets the tile and reused for its other key tiles (a unit's loop runs over key
+/// tiles outside query tiles, so without it each query tile was packed once per key tile). On
+/// `bf16` pairs four arrays a slot — pairs along the head dims (`S = Q Kᵀ`, `dP = dO Vᵀ`) and
+/// along the rows (`dK += dSᵀ Q`, `dV += Pᵀ dO`); in `f32` two, `Q_i` and `dO_i` at the padded
+/// strides (copied from rows a token stride apart, 6-7% of the `f32` backward when it was done
+/// for every key tile). One slot per (query head of the unit, query tile), up to a budget
 /// ([`ROW_CACHE_BUDGET`](super::blocking::ROW_CACHE_BUDGET) by default); tiles past it share a
 /// spare slot and are packed per key tile as before.
-struct RowSlots {
-    words: Vec<Bf16Pair>,
+struct RowSlots<E> {
+    words: Vec<E>,
     /// Whether cached slot `i` holds its tile for the current unit.
     filled: Vec<bool>,
-    /// Words per slot: `[Q | dO | Q row pairs | dO row pairs]`.
+    /// Elements per slot, the arrays one after another.
     slot_len: usize,
-    offsets: [usize; 4],
+    offsets: Vec<usize>,
 }
 
-impl RowSlots {
-    fn new(g: &Geometry<'_>, t: Tiles, budget: usize) -> Self {
-        let (d, dv) = (g.d, g.dv);
-        let lens = [t.br * d.div_ceil(2), t.br * dv.div_ceil(2), t.br.div_ceil(2) * d, t.br.div_ceil(2) * dv];
-        let offsets = [0, lens[0], lens[0] + lens[1], lens[0] + lens[1] + lens[2]];
+impl<E: Copy + Default> RowSlots<E> {
+    /// Slots of arrays of `lens` elements each for the query tiles of a unit.
+    fn new(g: &Geometry<'_>, t: Tiles, lens: &[usize], budget: usize) -> Self {
+        let offsets = lens.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
         let slot_len = lens.iter().sum::<usize>();
         let wanted = (g.hq / g.hk.max(1)) * g.max_sq.div_ceil(t.br.max(1));
-        let cached = wanted.min(budget / (4 * slot_len).max(1));
-        RowSlots { words: vec![0; (cached + 1) * slot_len], filled: vec![false; cached], slot_len, offsets }
+        let cached = wanted.min(budget / (std::mem::size_of::<E>() * slot_len).max(1));
+        RowSlots { words: vec![E::default(); (cached + 1) * slot_len], filled: vec![false; cached], slot_len, offsets }
     }
 
     /// The slot of tile `index` of the unit (its query head in the unit's group, then its query
@@ -116,12 +117,12 @@ impl RowSlots {
         }
     }
 
-    /// Array `which` (0 `Q`, 1 `dO`, 2 `Q` row pairs, 3 `dO` row pairs) of slot `slot`.
-    fn part(&self, slot: usize, which: usize) -> &[Bf16Pair] {
+    /// Array `which` of slot `slot`.
+    fn part(&self, slot: usize, which: usize) -> &[E] {
         &self.words[slot * self.slot_len + self.offsets[which]..]
     }
 
-    fn part_mut(&mut self, slot: usize, which: usize) -> &mut [Bf16Pair] {
+    fn part_mut(&mut self, slot: usize, which: usize) -> &mut [E] {
         &mut self.words[slot * self.slot_len + self.offsets[which]..]
     }
 }
@@ -133,18 +134,18 @@ impl Scratch {
         let (dp, dvp, brp, bcp) = (d.div_ceil(2), dv.div_ceil(2), t.br.div_ceil(2), t.bc.div_ceil(2));
         let ld = Strides::new(d, dv, t.bc, pairs);
         let score = t.br * ld.s;
+        let f32_rows = [t.br * ld.d, t.br * ld.dv];
         Self {
             pairs: pairs.then(|| PairTiles {
                 kt: vec![0; dp * t.bc],
                 vt: vec![0; dvp * t.bc],
                 k_keys: vec![0; bcp * d],
-                rows: RowSlots::new(g, t, row_budget),
+                rows: RowSlots::new(g, t, &[t.br * dp, t.br * dvp, brp * d, brp * dv], row_budget),
                 p_rows: vec![0; brp * t.bc],
                 ds_rows: vec![0; brp * t.bc],
                 ds_keys: vec![0; t.br * bcp],
             }),
-            q: f32_tile(t.br * ld.d),
-            dout: f32_tile(t.br * ld.dv),
+            rows: RowSlots::new(g, t, if pairs { &[] } else { &f32_rows }, row_budget),
             lse: vec![0.0; t.br],
             delta: vec![0.0; t.br],
             s: vec![0.0; score],
@@ -215,6 +216,7 @@ impl<T: Element> Context<'_, T> {
         let per_chunk = n_tiles.div_ceil(self.chunks).max(1);
         let group = g.hq / g.hk;
         let n_qt = seq.sq.div_ceil(br);
+        sc.rows.filled.fill(false);
         if let Some(pt) = sc.pairs.as_mut() {
             pt.rows.filled.fill(false);
         }
@@ -296,20 +298,14 @@ impl<T: Element> Context<'_, T> {
             }
             (_, pairs) => {
                 sc.pairs = pairs;
-                load_rows(&mut sc.q, ld.d, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0);
-                load_rows(
-                    &mut sc.dout,
-                    ld.dv,
-                    self.dout,
-                    self.dout_layout,
-                    seq,
-                    seq.q_start,
-                    rows.clone(),
-                    head,
-                    dv,
-                    1.0,
-                );
-                RowOperands::F32 { q: &sc.q, ldq: ld.d, dout: &sc.dout, ldo: ld.dv }
+                let (slot, fresh) = sc.rows.claim(tile_index);
+                if fresh {
+                    let (q0, dl, r) = (seq.q_start, self.dout_layout, rows.clone());
+                    let rs = &mut sc.rows;
+                    load_rows(rs.part_mut(slot, 0), ld.d, self.q, g.q, seq, q0, r.clone(), head, d, 1.0);
+                    load_rows(rs.part_mut(slot, 1), ld.dv, self.dout, dl, seq, q0, r, head, dv, 1.0);
+                }
+                RowOperands::F32 { q: sc.rows.part(slot, 0), ldq: ld.d, dout: sc.rows.part(slot, 1), ldo: ld.dv }
             }
         };
         for (r, i) in rows.clone().enumerate() {

@@ -621,14 +621,31 @@ mod tests {
 
     #[test]
     fn cached_query_tiles_give_the_uncached_gradients_in_bf16() {
+        cached_query_tiles_give_the_uncached_gradients::<bf16>(DType::BF16);
+    }
+
+    #[test]
+    fn cached_query_tiles_give_the_uncached_gradients_in_f32() {
+        cached_query_tiles_give_the_uncached_gradients::<f32>(DType::F32);
+    }
+
+    #[test]
+    fn cached_query_tiles_give_the_uncached_gradients_in_f16() {
+        cached_query_tiles_give_the_uncached_gradients::<f16>(DType::F16);
+    }
+
+    fn cached_query_tiles_give_the_uncached_gradients<T: Element>(dtype: DType) {
         let tiles = Tiles { br: 16, bc: 16 };
         for causal in [Causal::None, Causal::BottomRight] {
             for window in [None, Some((20, 5))] {
-                let case = gqa_varlen_case(DType::BF16, causal, window);
-                // No cache (every tile in the spare slot), three slots, plenty.
-                let none = backward_bits::<bf16>(&case, tiles, 0);
-                let some = backward_bits::<bf16>(&case, tiles, 3 * 4 * 16 * (40 + 24));
-                let all = backward_bits::<bf16>(&case, tiles, 1 << 24);
+                let case = gqa_varlen_case(dtype, causal, window);
+                // No cache (every tile in the spare slot), three slots (bf16: 4 · 16 · (40 + 24)
+                // bytes a slot; f32, f16: 4 · 16 · (48 + 48), `Q` and `dO` at padded strides),
+                // plenty.
+                let slot = if dtype == DType::BF16 { 4 * 16 * (40 + 24) } else { 4 * 16 * (48 + 48) };
+                let none = backward_bits::<T>(&case, tiles, 0);
+                let some = backward_bits::<T>(&case, tiles, 3 * slot);
+                let all = backward_bits::<T>(&case, tiles, 1 << 24);
                 assert!(none == some && some == all, "{case}: the cache changed the gradients");
             }
         }
