@@ -56,9 +56,11 @@ pub fn padded_stride(n: usize) -> usize {
 }
 
 /// Row strides, in `f32` elements, of the tiles the `f32` products run on: the score-shaped ones
-/// (`s`: `S`, `dP` and their companions, and `Kᵀ`, `Vᵀ`, which a product reads at the stride it
-/// writes `S` with), the rows of head dim `d` (`Q_i`, `K_j`) and of head dim `dv` (`dO_i`, `V_j`),
-/// each [`padded_stride`] of its width. The products on `bf16` pairs keep the widths.
+/// (`s`: `S`, `dP` and their companions, and the backward's `Vᵀ`, which a product reads at the
+/// stride it writes `dP` with), the rows of head dim `d` (`Q_i`, `K_j`) and of head dim `dv`
+/// (`dO_i`, the backward's `V_j`), each [`padded_stride`] of its width. The products on `bf16`
+/// pairs keep the widths. (The `f32` `Kᵀ` tiles, and the forward's cached `V_j`, lie in 16-column
+/// panels instead: `cpu::gemm::BLayout`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Strides {
     /// Score-shaped tiles (`Bc` columns).

@@ -440,10 +440,10 @@ impl<T: Element> Context<'_, T> {
             // V_j from the unit's cache (packed in panels once per unit); past the cache's slots,
             // in place (or widened) per query tile as before.
             let (v, vl) = if sc.v_cache.holds(key_tile) {
-                let (v_buf, bc_rows) = (&mut sc.v, bc);
+                let v_buf = &mut sc.v;
                 let vt = sc.v_cache.tile(key_tile, &mut [], |dst, _| {
                     let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv);
-                    pack_panels(dst, bc_rows, rows, ld, whole.len(), dv);
+                    pack_panels(dst, bc, rows, ld, whole.len(), dv);
                 });
                 let vl = BLayout::panels(bc);
                 (&vt[vl.index(cols.start - whole.start, 0)..], vl)

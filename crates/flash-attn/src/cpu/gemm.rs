@@ -328,13 +328,19 @@ pub fn gemm_acc_skipping_zeros(
         for p in 0..k {
             let aip = a[i * lda + p];
             if aip != 0.0 {
-                for (j0, cs) in ci.chunks_mut(PANEL_WIDTH).enumerate().map(|(q, cs)| (q * PANEL_WIDTH, cs)) {
-                    let (at, w) = (bl.index(p, j0), cs.len());
-                    for (cij, &bpj) in cs.iter_mut().zip(&b[at..at + w]) {
-                        *cij += aip * bpj;
-                    }
-                }
+                add_scaled_row(ci, aip, b, bl, p);
             }
+        }
+    }
+}
+
+/// `c[j] += a · B[p][j]` for the columns of `c`, panel by panel (within one, the row's columns
+/// are contiguous): a separate multiply and add per element, as the portable paths do.
+fn add_scaled_row(c: &mut [f32], a: f32, b: &[f32], bl: BLayout, p: usize) {
+    for (q, cs) in c.chunks_mut(PANEL_WIDTH).enumerate() {
+        let at = bl.index(p, q * PANEL_WIDTH);
+        for (cij, &bpj) in cs.iter_mut().zip(&b[at..]) {
+            *cij += a * bpj;
         }
     }
 }
@@ -370,13 +376,7 @@ fn gemm_portable(
         }
         for p in 0..k {
             let aip = if trans_a { a[a_index::<true>(i, p, lda)] } else { a[a_index::<false>(i, p, lda)] };
-            // Panel by panel: within one, the row's columns are contiguous.
-            for (j0, cs) in ci.chunks_mut(PANEL_WIDTH).enumerate().map(|(q, cs)| (q * PANEL_WIDTH, cs)) {
-                let (at, w) = (bl.index(p, j0), cs.len());
-                for (cij, &bpj) in cs.iter_mut().zip(&b[at..at + w]) {
-                    *cij += aip * bpj;
-                }
-            }
+            add_scaled_row(ci, aip, b, bl, p);
         }
     }
 }

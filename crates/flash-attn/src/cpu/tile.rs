@@ -183,9 +183,9 @@ pub(super) fn score_tile(
         // Only the columns some row of each panel can see: on a causal diagonal about half.
         for (p0, keys) in panels(vis, rows.clone(), cols.clone()) {
             let n = (p0 + PANEL).min(rows.len()) - p0;
-            // Columns outside the panel's keys are invisible: the mask below sets them to -inf.
-            // Columns outside the panel's keys are zero, so the score modifiers never see stale
-            // values (nor the products of a `Kᵀ` panel's columns before the keys).
+            // Columns outside the panel's keys are invisible (the mask below sets them to -inf)
+            // and zeroed after the product, so the score modifiers never see stale values (nor
+            // the products an `f32` product computes from its `Kᵀ` panel's first column).
             if !keys.is_empty() {
                 let c0 = qk.first_column(keys.start);
                 qk.product(isa, &mut s[p0 * ld + c0..], ld, p0, c0, (n, keys.end - c0, d));
