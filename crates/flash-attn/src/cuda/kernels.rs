@@ -163,8 +163,8 @@ pub const HOPPER_HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
 /// Tile widths the warp-specialised 16-bit Hopper forward is compiled for ([`Variant::ws`]).
 pub const WS_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// The optional-path sets the warp-specialised forward is compiled with besides none: dropout
-/// alone and softcap alone.
+/// The optional-path sets the warp-specialised kernels (forward and backward) are compiled with
+/// besides none: dropout alone and softcap alone.
 pub const WS_EXTRAS: [ExtraPaths; 2] = [
     ExtraPaths { dropout: true, softcap: false, blocks: false, alibi: false },
     ExtraPaths { dropout: false, softcap: true, blocks: false, alibi: false },
@@ -309,16 +309,16 @@ impl Variant {
     /// The variant a problem runs on by default: on sm_90a, where `ws_ok` (the problem is one the
     /// warp-specialised kernel takes: a fixed-length batch with keys and a positive softmax
     /// scale), the warp-specialised kernel at tile widths 64 and 128 for problems without
-    /// optional paths (1.1-1.46x the other Hopper kernel) and with dropout alone (1.06-1.25x the
-    /// other's dropout variant), and at 128 with softcap alone (1.26-1.28x; at 64 the other
-    /// kernel's 64-key tiles are 1.09-1.11x faster); docs/cuda-notes.md. Else
+    /// optional paths (1.1-1.46x the other Hopper kernel), with dropout alone (1.06-1.25x the
+    /// other's dropout variant) and with softcap alone (1.26-1.28x at 128; at 64 1.01-1.05x the
+    /// other kernel's 64-key tiles since softcap runs on `tanh.approx`); docs/cuda-notes.md. Else
     /// [`Variant::extras_on`].
     pub fn for_problem(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths, ws_ok: bool) -> Option<Variant> {
         if arch.has_wgmma() && ws_ok {
             let ws = if !extras.any() {
                 Variant::hopper_ws_for(dtype, d)
             } else {
-                Variant::hopper_ws_extras_for(dtype, d, extras).filter(|v| v.extras.dropout || v.d == 128)
+                Variant::hopper_ws_extras_for(dtype, d, extras)
             };
             if let Some(ws) = ws {
                 return Some(ws);
@@ -654,10 +654,12 @@ impl BwdVariant {
         }
     }
 
-    /// The variant for a problem on `arch`: [`BwdVariant::default_on`], as the warp-specialised
-    /// kernel ([`BwdVariant::ws`]) where it has one and the problem suits it: a fixed-length
-    /// batch (`fixed_length`) with no optional path, at tile widths 64 and 128 (its backward
-    /// measured 1.11-1.34x the other Hopper kernel's on an H100, docs/cuda-notes.md).
+    /// The variant for a problem on `arch`: [`BwdVariant::default_on`], or the warp-specialised
+    /// kernel ([`BwdVariant::ws`]) where the problem suits it: a fixed-length batch
+    /// (`fixed_length`) at tile widths 64 and 128, with no optional path (measured 1.11-1.34x the
+    /// other Hopper kernel's backward on an H100, docs/cuda-notes.md) or with dropout alone or
+    /// softcap alone ([`WS_EXTRAS`]; measured 1.09-1.44x the other Hopper kernels' backward on an
+    /// H100; dropout at d = 64 on 64 queries a tile, where 128 spill its keep bits).
     pub fn for_problem(
         arch: &Arch,
         dtype: DType,
@@ -666,8 +668,13 @@ impl BwdVariant {
         fixed_length: bool,
     ) -> Option<BwdVariant> {
         let v = BwdVariant::default_on(arch, dtype, d, extras)?;
-        let ws = fixed_length && v.wgmma && !extras.any() && v.warps == 8 && (d == 64 || d == 128);
-        Some(BwdVariant { ws, ..v })
+        let ws_paths = !extras.any() || WS_EXTRAS.contains(&extras);
+        if !(fixed_length && v.wgmma && ws_paths && (d == 64 || d == 128)) {
+            return Some(v);
+        }
+        let h = BwdVariant::hopper_for(dtype, d)?;
+        let br = if extras.dropout { 64 } else { h.br };
+        Some(BwdVariant { extras, br, ws: true, ..h })
     }
 
     /// This variant with the optional paths `extras` compiled in.
@@ -694,6 +701,20 @@ impl BwdVariant {
                     // The warp-specialised kernel, at the tile widths of whole TMA boxes.
                     if d == 64 || d == 128 {
                         v.push(BwdVariant { ws: true, ..h });
+                        // Dropout alone, softcap alone (WS_EXTRAS); at d = 64 on 64 queries a
+                        // tile too (with 128, dropout's keep bits spill 332 bytes), and the plain
+                        // kernel on 64 queries to compare with.
+                        for e in WS_EXTRAS {
+                            if d == 128 || !e.dropout {
+                                v.push(BwdVariant { ws: true, extras: e, ..h });
+                            }
+                            if d == 64 {
+                                v.push(BwdVariant { ws: true, extras: e, br: 64, ..h });
+                            }
+                        }
+                        if d == 64 {
+                            v.push(BwdVariant { ws: true, br: 64, ..h });
+                        }
                     }
                     // One warpgroup per block, 64 queries (two blocks per multiprocessor); not at
                     // d = 256, where two warpgroups split the columns.

@@ -160,7 +160,7 @@ struct ScoreMod {
     softcap: f32,
     scale: f32,
     scale_log2: f32,
-    tanh_k: f32,
+    tanh_scale: f32,
     cap_log2: f32,
     inv_cap_log2: f32,
 }
@@ -177,7 +177,7 @@ impl ScoreMod {
             softcap: c as f32,
             scale,
             scale_log2: (s * log2e) as f32,
-            tanh_k: if capped { (2.0 * log2e * s / c) as f32 } else { 0.0 },
+            tanh_scale: if capped { (s / c) as f32 } else { 0.0 },
             cap_log2: (c * log2e) as f32,
             inv_cap_log2: if capped { (1.0 / (c * log2e)) as f32 } else { 0.0 },
         }
@@ -1305,14 +1305,12 @@ mod tests {
             supported(&g, DType::BF16, &Arch("sm_90a".into())).expect("a variant").name()
         };
         let plain = || AttentionSpec::new().causal();
-        // Plain and dropout alone: the warp-specialised kernel at 64 and 128.
+        // Plain, dropout alone and softcap alone: the warp-specialised kernel at 64 and 128.
         for d in [64, 128] {
             assert!(name(d, plain()).ends_with("_h_ws"), "{}", name(d, plain()));
             assert!(name(d, plain().dropout(0.1, 1, 0)).ends_with("_h_xd_ws"));
+            assert!(name(d, plain().softcap(30.0)).ends_with("_h_xs_ws"));
         }
-        // Softcap alone: warp-specialised at 128; at 64 the other kernel's 64-key tiles.
-        assert!(name(128, plain().softcap(30.0)).ends_with("_h_xs_ws"));
-        assert_eq!(name(64, plain().softcap(30.0)), "flash_fwd_bf16_d64_m1_n64_w8_h_xs");
         // Both, or another width: the other Hopper kernel.
         assert!(!name(128, plain().softcap(30.0).dropout(0.1, 1, 0)).ends_with("_ws"));
         assert!(!name(96, plain().dropout(0.1, 1, 0)).ends_with("_ws"));
@@ -1339,8 +1337,13 @@ mod tests {
         for d in [64, 128] {
             assert!(name(d, plain(), "sm_90a").ends_with("_w8_h_ws"), "{}", name(d, plain(), "sm_90a"));
             assert!(name(d, plain().deterministic(), "sm_90a").ends_with("_h_ws"));
-            // An optional path, another width, or sm_80: the other kernels.
-            assert!(!name(d, plain().dropout(0.1, 1, 0), "sm_90a").contains("_ws"));
+            // Dropout alone or softcap alone: the warp-specialised kernel on 64 queries a tile.
+            assert!(name(d, plain().dropout(0.1, 1, 0), "sm_90a").ends_with("_r64_w8_h_ws_xd"));
+            let br = if d == 64 { 128 } else { 64 };
+            assert!(name(d, plain().softcap(30.0), "sm_90a").ends_with(&format!("_r{br}_w8_h_ws_xs")));
+            // Both, another optional path, or sm_80: the other kernels.
+            assert!(!name(d, plain().dropout(0.1, 1, 0).softcap(30.0), "sm_90a").contains("_ws"));
+            assert!(!name(d, plain().dropout(0.1, 1, 0), "sm_80").contains("_ws"));
             assert!(!name(d, plain(), "sm_80").contains("_ws"));
         }
         // Head dims the 128 tile pads take it too (its TMA boxes read zeros past d); 256 does not.

@@ -147,7 +147,7 @@ struct FlashFwd {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt].x[e] = mod.softcap_log2<(D <= 64)>(s[mt][nt].x[e]);
+                    for (int e = 0; e < 4; ++e) s[mt][nt].x[e] = mod.softcap_log2(s[mt][nt].x[e]);
             return;
         }
         int g = lane >> 2, t = lane & 3;

@@ -292,7 +292,7 @@ struct FlashFwdWs {
 #pragma unroll
                             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                                for (int e = 0; e < 4; ++e) s[0][nt].x[e] = p.mod.softcap_log2<(D <= 64)>(s[0][nt].x[e]);
+                                for (int e = 0; e < 4; ++e) s[0][nt].x[e] = p.mod.softcap_log2(s[0][nt].x[e]);
                         }
                     }
                     if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))

@@ -84,7 +84,7 @@ struct ScoreMod {
     float softcap;       // 0: none
     float scale;         // the softmax scale (scores are scale · q·k before the modifiers)
     float scale_log2;    // scale · log2 e
-    float tanh_k;        // 2 · log2 e · scale / softcap (0 without softcap)
+    float tanh_scale;    // scale / softcap (0 without softcap)
     float cap_log2;      // softcap · log2 e
     float inv_cap_log2;  // 1 / (softcap · log2 e) (0 without softcap): tanh from a score in exp2 units
 
@@ -93,34 +93,16 @@ struct ScoreMod {
     __device__ __forceinline__ float slope(int b, int h, int hq) const { return alibi ? alibi[b * hq + h] : 0.f; }
 
     // Softcap alone on the raw product qk = q·k, in exp2 units: c · log2 e · tanh(scale · qk / c),
-    // as 1 - 2 / (2^x + 1). FMA_RCP: the reciprocal on the FMA pipe rather than rcp.approx, a
-    // bit-pattern estimate of 1 / y for y in [1, 2^64 + 1] (relative error below 0.051) and three
-    // Newton steps (2.6e-3, 6.6e-6, then f32 rounding: 6e-8, as close as rcp.approx); x is held at
-    // 64 for it (2^64 + 1 is 2^64 in f32: tanh = 1), -inf gives y = 1 (tanh = -1), and NaN stays
-    // NaN (the compare is false for it; every step carries it). Measured 3-5% faster in the d = 64
-    // forward, 0-3% slower at d = 128 (docs/cuda-notes.md): the forward kernels take it at d <= 64.
-    template <bool FMA_RCP = false>
-    __device__ __forceinline__ float softcap_log2(float qk) const {
-        float x = qk * tanh_k;
-        float r;
-        if (FMA_RCP) {
-            x = x > 64.f ? 64.f : x;
-            const float y = fast_exp2(x) + 1.f;
-            r = __int_as_float(0x7ef311c3 - __float_as_int(y));
-#pragma unroll
-            for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-y, r, 1.f), r);
-        } else {
-            r = fast_rcp(fast_exp2(x) + 1.f);
-        }
-        return fmaf(-2.f * cap_log2, r, cap_log2);
-    }
+    // on the special-function unit's tanh (`tanh_approx`: one instruction, relative error below
+    // 2^-10.98, ±1 at the extremes, NaN kept). Measured on an H100 against the five instructions
+    // of 1 - 2 / (2^x + 1) on ex2 and rcp: softcap's forward cost 1.6-1.9x -> 1.2-1.6x the plain
+    // forward's (docs/cuda-notes.md, session 37); the contract's tests pass on it.
+    __device__ __forceinline__ float softcap_log2(float qk) const { return cap_log2 * tanh_approx(qk * tanh_scale); }
 
     // The modified score of the raw product qk = q·k, in exp2 units (times log2 e), as the
-    // softmax takes it. Softcap: c · tanh(scale · qk / c) = c · (1 - 2 / (e^(2 · scale · qk / c) + 1)),
-    // on ex2.approx and rcp.approx with the constants folded (five instructions, two of them on
-    // the special-function unit): absolute error a few 1e-7 of c · log2 e, ±c at the extremes,
-    // NaN kept. ALiBi (slope of this (b, h), distance i + off - j) after it. SOFTCAP, ALIBI:
-    // whether the kernel variant holds that path (its code is left out otherwise).
+    // softmax takes it. Softcap: c · tanh(scale · qk / c) (`softcap_log2`). ALiBi (slope of this
+    // (b, h), distance i + off - j) after it. SOFTCAP, ALIBI: whether the kernel variant holds
+    // that path (its code is left out otherwise).
     template <bool SOFTCAP, bool ALIBI>
     __device__ __forceinline__ float apply_log2(float qk, float slope_bh, int dist) const {
         float x;

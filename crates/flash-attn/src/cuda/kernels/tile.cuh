@@ -238,6 +238,15 @@ __device__ __forceinline__ float fast_tanh(float y) {
     return 1.f - __fdividef(2.f, fast_exp2(y * 2.8853900817779268f) + 1.f);
 }
 
+// tanh(y) on the special-function unit's approximation (sm_75 and later): one instruction,
+// relative error below 2^-10.98 (PTX ISA), ±1 for large |y|, NaN for NaN. The score modifier's
+// softcap (mask.cuh), whose error bound DESIGN §2's contract holds at bf16 and f16.
+__device__ __forceinline__ float tanh_approx(float y) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(y));
+    return t;
+}
+
 // ---------------------------------------------------------------- quad (row) reductions
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
