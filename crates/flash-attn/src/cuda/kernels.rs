@@ -701,19 +701,12 @@ impl BwdVariant {
                     // The warp-specialised kernel, at the tile widths of whole TMA boxes.
                     if d == 64 || d == 128 {
                         v.push(BwdVariant { ws: true, ..h });
-                        // Dropout alone, softcap alone (WS_EXTRAS); at d = 64 on 64 queries a
-                        // tile too (with 128, dropout's keep bits spill 332 bytes), and the plain
-                        // kernel on 64 queries to compare with.
+                        // Dropout alone, softcap alone (WS_EXTRAS): dropout at d = 64 on 64
+                        // queries a tile (with 128 its keep bits spill 332 bytes). (Softcap at d =
+                        // 64 on 64 queries measured 1.13-1.18x the time of 128: not built.)
                         for e in WS_EXTRAS {
-                            if d == 128 || !e.dropout {
-                                v.push(BwdVariant { ws: true, extras: e, ..h });
-                            }
-                            if d == 64 {
-                                v.push(BwdVariant { ws: true, extras: e, br: 64, ..h });
-                            }
-                        }
-                        if d == 64 {
-                            v.push(BwdVariant { ws: true, br: 64, ..h });
+                            let br = if e.dropout && d == 64 { 64 } else { h.br };
+                            v.push(BwdVariant { ws: true, extras: e, br, ..h });
                         }
                     }
                     // One warpgroup per block, 64 queries (two blocks per multiprocessor); not at

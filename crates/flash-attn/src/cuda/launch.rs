@@ -1346,6 +1346,21 @@ mod tests {
             assert!(!name(d, plain().dropout(0.1, 1, 0), "sm_80").contains("_ws"));
             assert!(!name(d, plain(), "sm_80").contains("_ws"));
         }
+        // Every variant the router picks for no optional path or one is one that
+        // `BwdVariant::all` builds, which the compile gate and the GPU tests' variant sweeps run
+        // (combinations compile on demand: `ExtraPaths::gated`).
+        let all = BwdVariant::all();
+        for d in [64, 96, 128, 256] {
+            for spec in [plain(), plain().dropout(0.1, 1, 0), plain().softcap(30.0)] {
+                for arch in ["sm_80", "sm_90a"] {
+                    let x = vec![(); b * s * h * d];
+                    let t = Tensor::new(&x, &[b, s, h, d]);
+                    let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
+                    let v = supported_backward(&g, DType::BF16, &Arch(arch.into())).expect("a variant");
+                    assert!(all.contains(&v), "{} on {arch} is not built", v.name());
+                }
+            }
+        }
         // Head dims the 128 tile pads take it too (its TMA boxes read zeros past d); 256 does not.
         assert!(name(96, plain(), "sm_90a").ends_with("_d128_r64_w8_h_ws"), "{}", name(96, plain(), "sm_90a"));
         assert!(!name(256, plain(), "sm_90a").contains("_ws"));
