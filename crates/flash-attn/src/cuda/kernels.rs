@@ -262,9 +262,10 @@ impl Variant {
     /// ptxas spills a few words at 255 registers: 4-36 bytes on the mma.sync kernel (every path,
     /// softcap alone at d = 128 on sm_80, block masks alone at d = 256) and 8-12 bytes on the
     /// Hopper kernel with every path (docs/cuda-notes.md, "Dropout on 8-bit draws"); the
-    /// warp-specialised kernel with softcap at d = 128 spills 36 bytes of per-item scalars ("Dropout
-    /// and softcap in the warp-specialised kernel"). The budget is there so that a change that
-    /// spills more, or spills anywhere else, fails.
+    /// warp-specialised kernel with softcap at d = 128 spilled 36 bytes of per-item scalars
+    /// ("Dropout and softcap in the warp-specialised kernel"; none since softcap runs on
+    /// `tanh.approx`, session 38). The budget is there so that a change that spills more, or
+    /// spills anywhere else, fails.
     pub fn spill_budget(&self) -> u32 {
         match (self.wgmma, self.extras.count()) {
             (_, 0) => 0,
