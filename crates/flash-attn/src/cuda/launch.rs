@@ -1337,7 +1337,8 @@ mod tests {
         for d in [64, 128] {
             assert!(name(d, plain(), "sm_90a").ends_with("_w8_h_ws"), "{}", name(d, plain(), "sm_90a"));
             assert!(name(d, plain().deterministic(), "sm_90a").ends_with("_h_ws"));
-            // Dropout alone or softcap alone: the warp-specialised kernel on 64 queries a tile.
+            // Dropout alone or softcap alone: the warp-specialised kernel (dropout on 64 queries a
+            // tile; softcap on the plain kernel's tile).
             assert!(name(d, plain().dropout(0.1, 1, 0), "sm_90a").ends_with("_r64_w8_h_ws_xd"));
             let br = if d == 64 { 128 } else { 64 };
             assert!(name(d, plain().softcap(30.0), "sm_90a").ends_with(&format!("_r{br}_w8_h_ws_xs")));
@@ -1352,11 +1353,11 @@ mod tests {
         let all = BwdVariant::all();
         for d in [64, 96, 128, 256] {
             for spec in [plain(), plain().dropout(0.1, 1, 0), plain().softcap(30.0)] {
-                for arch in ["sm_80", "sm_90a"] {
+                for (arch, dtype) in [("sm_80", DType::BF16), ("sm_90a", DType::BF16), ("sm_90a", DType::F16)] {
                     let x = vec![(); b * s * h * d];
                     let t = Tensor::new(&x, &[b, s, h, d]);
                     let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
-                    let v = supported_backward(&g, DType::BF16, &Arch(arch.into())).expect("a variant");
+                    let v = supported_backward(&g, dtype, &Arch(arch.into())).expect("a variant");
                     assert!(all.contains(&v), "{} on {arch} is not built", v.name());
                 }
             }

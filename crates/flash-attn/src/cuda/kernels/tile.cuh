@@ -223,17 +223,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// 1 / x on the hardware's approximate reciprocal (1 ulp; 0 for ±inf, flushing subnormals).
-__device__ __forceinline__ float fast_rcp(float x) {
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // tanh(y) = 1 - 2 / (2^(2·log2(e)·y) + 1) on the hardware's ex2 and a fast division: absolute
 // error a few 1e-7 over the whole range (softcap scales it by c: ~1e-5 on a score for c = 30,
 // far below the inputs' rounding), ±1 for large |y|, NaN for NaN. tanhf takes ~20 instructions
-// and a branch per score.
+// and a branch per score. The decode kernel's softcap (the others take `tanh_approx`).
 __device__ __forceinline__ float fast_tanh(float y) {
     return 1.f - __fdividef(2.f, fast_exp2(y * 2.8853900817779268f) + 1.f);
 }
