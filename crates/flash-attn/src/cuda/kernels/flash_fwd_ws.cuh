@@ -224,10 +224,12 @@ struct FlashFwdWs {
         // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item.
         const int wg = warp / 4, warp_row = warp * 16;
         // Optional paths of the 16-bit kernels (FA_EXTRAS: dropout, softcap). With softcap the
-        // scores reach the softmax already in exp2 units (ScoreMod::softcap_log2 holds the scale).
+        // softmax takes tanh(scale · qk / c) (ScoreMod::softcap_log2 without its last multiply),
+        // with c · log2 e as its scale: its FMA holds the multiply (c > 0: the row maxima are
+        // those of the capped scores).
         const bool capped = FA_SOFTCAP && !E4M3 && p.mod.softcap > 0.f;
         const bool drop = FA_DROPOUT && !E4M3 && p.dropout.enabled;
-        const float scale_log2 = capped ? 1.f : p.scale_log2;
+        const float scale_log2 = capped ? p.mod.cap_log2 : p.scale_log2;
         // Turns: warpgroup 0 issues first; each passes the turn after issuing its products.
         const int my_turn = BAR_TURN + wg, their_turn = BAR_TURN + (1 - wg);
         if (wg == 1) named_arrive(BAR_TURN, CONSUMERS);
@@ -292,7 +294,7 @@ struct FlashFwdWs {
 #pragma unroll
                             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                                for (int e = 0; e < 4; ++e) s[0][nt].x[e] = p.mod.softcap_log2(s[0][nt].x[e]);
+                                for (int e = 0; e < 4; ++e) s[0][nt].x[e] = tanh_approx(s[0][nt].x[e] * p.mod.tanh_scale);
                         }
                     }
                     if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
