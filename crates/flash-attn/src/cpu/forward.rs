@@ -154,6 +154,188 @@ impl Drop for Pooled {
     }
 }
 
+/// Most bytes of key/value tiles one call packs up front to share between its work units
+/// ([`SharedTiles`]); a call that would need more packs per unit instead. The memory is kept for
+/// the next call, as the threads keep their scratch ([`Pooled`]).
+pub(super) const SHARED_BUDGET: usize = 64 << 20;
+
+/// Key/value tiles packed once per call, before the work units start, for the (sequence, kv
+/// head) pairs whose query tiles are split over several units: each such unit would otherwise
+/// pack every key tile it visits for itself (`f32` at 1 × 8 heads × 128², d 128 on 16 threads:
+/// eight units of 16 rows a head, each transposing the head's 128 keys). A slot holds what a unit's
+/// cache slot ([`TileCache`]) holds for the same key tile, packed by the same code, so the
+/// results are the same bits either way.
+pub(super) struct SharedTiles {
+    /// Per `seq · hk + kv_head`: the slot of its first packed key tile and the key tiles packed
+    /// (those its query rows can see), or `None` (its units pack their own).
+    groups: Vec<Option<(usize, Range<usize>)>>,
+    /// `Kᵀ` and `V` slots of the path in use (`f32` panels, or `bf16` pairs).
+    kt: Vec<f32>,
+    v: Vec<f32>,
+    pair_kt: Vec<Bf16Pair>,
+    pair_v: Vec<Bf16Pair>,
+    kt_len: usize,
+    v_len: usize,
+}
+
+/// The buffers of a [`SharedTiles`]: `Kᵀ` and `V` in `f32`, and as `bf16` pairs.
+type SharedBuffers = (Vec<f32>, Vec<f32>, Vec<Bf16Pair>, Vec<Bf16Pair>);
+
+/// Memory of the last call's [`SharedTiles`], kept for the next call (up to [`SHARED_BUDGET`]):
+/// growing it on first use is the only time it is zeroed.
+static SHARED_KEPT: std::sync::Mutex<Option<SharedBuffers>> = std::sync::Mutex::new(None);
+
+impl SharedTiles {
+    /// No shared tiles: every unit packs its own.
+    pub(super) fn none() -> Self {
+        SharedTiles {
+            groups: Vec::new(),
+            kt: Vec::new(),
+            v: Vec::new(),
+            pair_kt: Vec::new(),
+            pair_v: Vec::new(),
+            kt_len: 0,
+            v_len: 0,
+        }
+    }
+
+    /// Whether any (sequence, kv head) has shared tiles.
+    pub(super) fn is_empty(&self) -> bool {
+        self.groups.iter().all(Option::is_none)
+    }
+
+    /// Key tiles packed.
+    pub(super) fn tiles(&self) -> usize {
+        self.groups.iter().flatten().map(|(_, t)| t.len()).sum()
+    }
+
+    /// The slot of key tile `tile` of (`seq`, `kv_head`), if shared.
+    fn slot(&self, hk: usize, seq: usize, kv_head: usize, tile: usize) -> Option<usize> {
+        match self.groups.get(seq * hk + kv_head) {
+            Some(Some((first, tiles))) if tiles.contains(&tile) => Some(first + tile - tiles.start),
+            _ => None,
+        }
+    }
+
+    /// Hands the memory back for the next call.
+    pub(super) fn keep(self) {
+        let bytes = 4 * (self.kt.capacity() + self.v.capacity() + self.pair_kt.capacity() + self.pair_v.capacity());
+        if bytes <= SHARED_BUDGET {
+            if let Ok(mut kept) = SHARED_KEPT.try_lock() {
+                *kept = Some((self.kt, self.v, self.pair_kt, self.pair_v));
+            }
+        }
+    }
+}
+
+/// `v` resized to `n` elements, its memory reused; only growth is zeroed (every slot is filled
+/// before it is read, and a slot's unused columns are zeroed by the task that fills it).
+fn resized<E: Copy + Default>(mut v: Vec<E>, n: usize, what: &'static str) -> crate::error::Result<Vec<E>> {
+    if n > v.len() {
+        v.try_reserve_exact(n - v.len()).map_err(|_| crate::error::Error::OutOfMemory {
+            what,
+            elements: n,
+            element_bytes: std::mem::size_of::<E>(),
+        })?;
+    }
+    v.resize(n, E::default());
+    Ok(v)
+}
+
+impl<T: Element> Context<'_, T> {
+    /// Packs the key tiles of the (sequence, kv head) pairs in `shared_groups` (indexed `seq · hk +
+    /// kv_head`) that their query rows can see, in parallel, one key tile a task; none at all
+    /// where they would take more than [`SHARED_BUDGET`] bytes (every unit then packs its own).
+    /// A tile a unit asks for outside these (a head of the group that sees other keys) it packs
+    /// itself, as before.
+    pub(super) fn pack_shared(&self, shared_groups: &[bool], pack_v: bool) -> crate::error::Result<SharedTiles> {
+        let g = self.g;
+        let bc = self.tiles.bc;
+        let pairs = self.bf16.is_some();
+        let panels = |n: usize| n.div_ceil(PANEL_WIDTH) * PANEL_WIDTH;
+        let (kt_len, v_len) = if pairs {
+            (g.d.div_ceil(2) * bc, bc.div_ceil(2) * g.dv)
+        } else {
+            (g.d * panels(bc), if pack_v { bc * panels(g.dv) } else { 0 })
+        };
+        let mut groups = vec![None; shared_groups.len()];
+        let mut items = Vec::new();
+        let mut slots = 0;
+        for (s, seq) in g.seqs.iter().enumerate() {
+            for kv_head in 0..g.hk {
+                if !shared_groups.get(s * g.hk + kv_head).copied().unwrap_or(false) || seq.sq == 0 {
+                    continue;
+                }
+                let keys = g.visibility(seq, kv_head * (g.hq / g.hk)).key_range(0..seq.sq);
+                if keys.is_empty() {
+                    continue;
+                }
+                let tiles = keys.start / bc..keys.end.div_ceil(bc);
+                items.extend(tiles.clone().enumerate().map(|(i, t)| (s, kv_head, t, slots + i)));
+                groups[s * g.hk + kv_head] = Some((slots, tiles.clone()));
+                slots += tiles.len();
+            }
+        }
+        if slots == 0 || 4 * slots * (kt_len + v_len) > SHARED_BUDGET {
+            return Ok(SharedTiles::none());
+        }
+        let kept = SHARED_KEPT.try_lock().ok().and_then(|mut k| k.take());
+        let (kt, v, pair_kt, pair_v) = kept.unwrap_or_default();
+        let f32_len = if pairs { 0 } else { slots };
+        let pair_len = if pairs { slots } else { 0 };
+        let mut shared = SharedTiles {
+            groups,
+            kt: resized(kt, f32_len * kt_len, "shared key tiles")?,
+            v: resized(v, f32_len * v_len, "shared value tiles")?,
+            pair_kt: resized(pair_kt, pair_len * kt_len, "shared key tiles")?,
+            pair_v: resized(pair_v, pair_len * v_len, "shared value tiles")?,
+            kt_len,
+            v_len,
+        };
+        let sinks = (
+            Sink::new(&mut shared.kt),
+            Sink::new(&mut shared.v),
+            Sink::new(&mut shared.pair_kt),
+            Sink::new(&mut shared.pair_v),
+        );
+        super::for_each_dynamic(
+            &items,
+            || (Vec::new(), Vec::new()),
+            |(k_buf, v_buf): &mut (Vec<f32>, Vec<f32>), &(s, kv_head, tile, slot)| {
+                let seq = &g.seqs[s];
+                let whole = tile * bc..((tile + 1) * bc).min(seq.sk);
+                // SAFETY: slot `slot` belongs to this item alone (slots are numbered once, above),
+                // and the buffers were sized to `slots` slots of each length.
+                let (kt, v, pkt, pv) = unsafe {
+                    (
+                        sinks.0.slice_mut(slot * kt_len, if pairs { 0 } else { kt_len }),
+                        sinks.1.slice_mut(slot * v_len, if pairs { 0 } else { v_len }),
+                        sinks.2.slice_mut(slot * kt_len, if pairs { kt_len } else { 0 }),
+                        sinks.3.slice_mut(slot * v_len, if pairs { v_len } else { 0 }),
+                    )
+                };
+                if let Some(bits) = self.bf16 {
+                    pkt.fill(0);
+                    pv.fill(0);
+                    pack_rows_transposed(self.isa, pkt, bc, bits.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
+                    pack_row_pairs(pv, g.dv, bits.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
+                } else {
+                    kt.fill(0.0);
+                    let n = whole.len();
+                    let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
+                    transpose_panels(self.isa, kt, k, ldk, n, g.d);
+                    if pack_v {
+                        v.fill(0.0);
+                        let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
+                        pack_panels(v, bc, rows, ld, n, g.dv);
+                    }
+                }
+            },
+        );
+        Ok(shared)
+    }
+}
+
 impl Scratch {
     fn empty() -> Self {
         Scratch {
@@ -271,6 +453,9 @@ pub(super) struct Context<'a, T> {
     pub isa: Isa,
     /// The key splits of the sequences that have them, and their partial results.
     pub partials: &'a Partials,
+    /// Key/value tiles packed before the units started, for the (sequence, kv head) pairs that
+    /// several units share.
+    pub shared: &'a SharedTiles,
 }
 
 /// Key ranges of the sequences whose forward runs split over the keys
@@ -360,21 +545,39 @@ impl<T: Element> Context<'_, T> {
             // A cache slot holds the whole key tile: later query tiles may see more of it.
             let (key_tile, whole) = (cols.start / bc, cols.start..(cols.start + bc).min(seq.sk));
             let packed = |slot: bool| if slot { whole.clone() } else { cols.clone() };
+            let shared_slot = self.shared.slot(g.hk, seq_index, kv_head, key_tile);
             let qk = match (self.bf16, sc.pairs.as_mut()) {
                 (Some(bits), Some(pt)) => {
-                    let kt = pt.kt_cache.tile(key_tile, &mut pt.kt, |dst, slot| {
-                        pack_rows_transposed(self.isa, dst, bc, bits.k, g.k, seq, seq.k_start, packed(slot), kv_head, d)
-                    });
+                    let kt = match shared_slot {
+                        Some(slot) => &self.shared.pair_kt[slot * self.shared.kt_len..(slot + 1) * self.shared.kt_len],
+                        None => pt.kt_cache.tile(key_tile, &mut pt.kt, |dst, slot| {
+                            pack_rows_transposed(
+                                self.isa,
+                                dst,
+                                bc,
+                                bits.k,
+                                g.k,
+                                seq,
+                                seq.k_start,
+                                packed(slot),
+                                kv_head,
+                                d,
+                            )
+                        }),
+                    };
                     QkOperands::Bf16Pairs { q: &pt.q, ldq: dp, kt }
                 }
                 _ => {
                     let k_buf = &mut sc.k;
-                    let kt = sc.kt_cache.tile(key_tile, &mut sc.kt, |dst, slot| {
-                        let keys = packed(slot);
-                        let n = keys.len();
-                        let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
-                        transpose_panels(self.isa, dst, k, ldk, n, d);
-                    });
+                    let kt = match shared_slot {
+                        Some(slot) => &self.shared.kt[slot * self.shared.kt_len..(slot + 1) * self.shared.kt_len],
+                        None => sc.kt_cache.tile(key_tile, &mut sc.kt, |dst, slot| {
+                            let keys = packed(slot);
+                            let n = keys.len();
+                            let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
+                            transpose_panels(self.isa, dst, k, ldk, n, d);
+                        }),
+                    };
                     QkOperands::F32 { q: &sc.q, ldq: st.d, kt }
                 }
             };
@@ -409,9 +612,12 @@ impl<T: Element> Context<'_, T> {
             }
             if let (Some(bits), Some(pt)) = (self.bf16, sc.pairs.as_mut()) {
                 // O_i += P_ij V_j on pairs of keys: P rounded to bf16, V interleaved by key pairs.
-                let v = pt.v_cache.tile(key_tile, &mut pt.v, |dst, slot| {
-                    pack_row_pairs(dst, dv, bits.v, g.v, seq, seq.k_start, packed(slot), kv_head, dv)
-                });
+                let v = match shared_slot {
+                    Some(slot) => &self.shared.pair_v[slot * self.shared.v_len..(slot + 1) * self.shared.v_len],
+                    None => pt.v_cache.tile(key_tile, &mut pt.v, |dst, slot| {
+                        pack_row_pairs(dst, dv, bits.v, g.v, seq, seq.k_start, packed(slot), kv_head, dv)
+                    }),
+                };
                 if !p_in_pairs {
                     for r in 0..nr {
                         narrow_to_pairs(self.isa, &mut pt.p[r * ldp..], &sc.s[r * lds..r * lds + nc]);
@@ -439,7 +645,12 @@ impl<T: Element> Context<'_, T> {
             }
             // V_j from the unit's cache (packed in panels once per unit); past the cache's slots,
             // in place (or widened) per query tile as before.
-            let (v, vl) = if sc.v_cache.holds(key_tile) {
+            let shared_v = shared_slot.filter(|_| self.shared.v_len > 0);
+            let (v, vl) = if let Some(slot) = shared_v {
+                let vl = BLayout::panels(bc);
+                let vt = &self.shared.v[slot * self.shared.v_len..(slot + 1) * self.shared.v_len];
+                (&vt[vl.index(cols.start - whole.start, 0)..], vl)
+            } else if sc.v_cache.holds(key_tile) {
                 let v_buf = &mut sc.v;
                 let vt = sc.v_cache.tile(key_tile, &mut [], |dst, _| {
                     let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv);

@@ -163,6 +163,16 @@ fn forward_units(
     units
 }
 
+/// Fewest work units of a (sequence, kv head) for its key/value tiles to be packed once up front
+/// for all of them, and fewest key tiles it must see ([`forward::SharedTiles`]): the packing
+/// runs as a parallel pass of its own before the units, whose start costs tens of microseconds on
+/// 16 threads. Measured on the Xeon (16 threads, session 39), sharing every split pair: 1 × 8 ×
+/// 128² (one key tile, eight units a head) 0.74-0.84× the speed, 4 × 12 × 512², d 64 (two units a
+/// head) 0.90×, 1 × 8 × 2048², d 128 (16 tiles, eight units) 1.06×.
+const SHARE_MIN_UNITS: usize = 4;
+/// See [`SHARE_MIN_UNITS`].
+const SHARE_MIN_TILES: usize = 4;
+
 /// Most query rows a sequence may have for its forward to be split over its keys (taller
 /// sequences share their threads by query tiles).
 const SPLIT_MAX_ROWS: usize = 64;
@@ -267,11 +277,14 @@ pub fn forward_into_tiled<T: Element>(
     lse: &mut [f32],
     tiles: Tiles,
 ) -> Result<()> {
-    forward_with_cache_budget(g, q, k, v, out, lse, tiles, blocking::KV_CACHE_BUDGET)
+    forward_with_cache_budget(g, q, k, v, out, lse, tiles, blocking::KV_CACHE_BUDGET, true).map(|_| ())
 }
 
-/// [`forward_into_tiled`] with the bytes of packed key/value tiles each thread may keep (tests
-/// run it with none, a few tiles and plenty: the results must be bitwise the same).
+/// [`forward_into_tiled`] with the bytes of packed key/value tiles each thread may keep, and
+/// whether the key/value tiles of a (sequence, kv head) split over several work units are packed
+/// once up front for all of them (`share`; tests run both, and cache budgets of none, a few tiles
+/// and plenty: the results must be bitwise the same). Returns the number of key tiles packed up
+/// front.
 #[allow(clippy::too_many_arguments)]
 fn forward_with_cache_budget<T: Element>(
     g: &Geometry<'_>,
@@ -282,7 +295,8 @@ fn forward_with_cache_budget<T: Element>(
     lse: &mut [f32],
     tiles: Tiles,
     cache_budget: usize,
-) -> Result<()> {
+    share: bool,
+) -> Result<usize> {
     check_head_dims(g)?;
     if tiles.br == 0 || tiles.bc == 0 {
         return Err(Error::Unsupported(format!("tile sizes must be positive, got {tiles:?}")));
@@ -318,7 +332,27 @@ fn forward_with_cache_budget<T: Element>(
         _ => None,
     };
     let partials = forward::Partials { seqs: splits, o: Sink::new(&mut part_o), lse: Sink::new(&mut part_lse) };
-    let ctx = forward::Context {
+    // V is packed once per unit unless its rows can be read in place as they are (f32, at the
+    // packed stride).
+    let pack_v = T::as_f32(v.data()).is_none() || g.v.token_stride != blocking::padded_stride(g.dv);
+    // The (sequence, kv head) pairs whose query tiles several units share (not key splits: those
+    // see disjoint keys) get their key/value tiles packed once, before the units start.
+    let mut units_of = vec![0usize; g.seqs.len() * g.hk];
+    for u in units.iter().filter(|u| u.split.is_none()) {
+        units_of[u.seq * g.hk + u.kv_head] += 1;
+    }
+    let shared_groups: Vec<bool> = g
+        .seqs
+        .iter()
+        .flat_map(|seq| (0..g.hk).map(move |kv_head| (seq, kv_head)))
+        .zip(&units_of)
+        .map(|((seq, kv_head), &n)| {
+            let keys = g.visibility(seq, kv_head * (g.hq / g.hk)).key_range(0..seq.sq);
+            share && n >= SHARE_MIN_UNITS && keys.len().div_ceil(tiles.bc) >= SHARE_MIN_TILES
+        })
+        .collect();
+    let no_shared = forward::SharedTiles::none();
+    let mut ctx = forward::Context {
         g,
         q: q.data(),
         k: k.data(),
@@ -331,18 +365,30 @@ fn forward_with_cache_budget<T: Element>(
         bf16,
         isa,
         partials: &partials,
+        shared: &no_shared,
     };
-    // V is packed once per unit unless its rows can be read in place as they are (f32, at the
-    // packed stride).
-    let pack_v = T::as_f32(v.data()).is_none() || g.v.token_stride != blocking::padded_stride(g.dv);
+    let shared = if shared_groups.contains(&true) {
+        ctx.pack_shared(&shared_groups, pack_v)?
+    } else {
+        forward::SharedTiles::none()
+    };
+    ctx.shared = &shared;
+    // Units whose tiles are all shared need no cache of their own.
+    let cache_budget = if !shared.is_empty() && units.iter().all(|u| shared_groups[u.seq * g.hk + u.kv_head]) {
+        0
+    } else {
+        cache_budget
+    };
     for_each_dynamic(
         &units,
         || forward::Pooled::new(g, tiles, bf16.is_some(), pack_v, cache_budget),
         |scratch, u| ctx.unit(scratch.get(), u.seq, u.kv_head, u.tiles.clone(), u.split),
     );
+    let shared_tiles = shared.tiles();
+    shared.keep();
     let forward::Partials { seqs: splits, .. } = partials;
     merge_splits(g, &splits, &part_o, &part_lse, &out_sink, out_layout, &lse_sink);
-    Ok(())
+    Ok(shared_tiles)
 }
 
 fn check_head_dims(g: &Geometry<'_>) -> Result<()> {
@@ -561,9 +607,10 @@ mod tests {
         }
     }
 
-    /// Output bits of `case` with tiles `tiles` and a key/value cache of `budget` bytes per
-    /// thread, after checking the contract against the oracle.
-    fn run_checked<T: Element>(case: &Case, tiles: Tiles, budget: usize) -> Vec<u32> {
+    /// Output bits of `case` with tiles `tiles`, a key/value cache of `budget` bytes per thread
+    /// and shared key/value tiles or not (`share`), after checking the contract against the
+    /// oracle; and the number of key tiles packed up front.
+    fn run_checked<T: Element>(case: &Case, tiles: Tiles, budget: usize, share: bool) -> (Vec<u32>, usize) {
         let data = case.data::<T>();
         let spec = case.spec(&data);
         let [q, k, v] = data.views();
@@ -571,26 +618,44 @@ mod tests {
         let shape = g.out_shape();
         let mut out = vec![T::default(); shape.iter().product()];
         let mut lse = vec![0.0f32; g.lse_len()];
-        forward_with_cache_budget(&g, &q, &k, &v, &mut TensorMut::new(&mut out, &shape), &mut lse, tiles, budget)
-            .expect("valid case");
+        let shared = forward_with_cache_budget(
+            &g,
+            &q,
+            &k,
+            &v,
+            &mut TensorMut::new(&mut out, &shape),
+            &mut lse,
+            tiles,
+            budget,
+            share,
+        )
+        .expect("valid case");
         let oracle = reference::forward(&spec, &q, &k, &v).expect("valid case");
         let naive = reference::naive(&spec, &q, &k, &v).expect("valid case");
         let rep = report(&out, &lse, &oracle, &naive, case.dtype);
-        assert!(rep.passed(), "{case} tiles={tiles:?} budget={budget}: {rep}");
-        out.iter().map(|x| x.to_f32().to_bits()).chain(lse.iter().map(|x| x.to_bits())).collect()
+        assert!(rep.passed(), "{case} tiles={tiles:?} budget={budget} share={share}: {rep}");
+        (out.iter().map(|x| x.to_f32().to_bits()).chain(lse.iter().map(|x| x.to_bits())).collect(), shared)
     }
 
     fn cached_tiles_give_the_uncached_results<T: Element>(dtype: DType) {
         let tiles = Tiles { br: 16, bc: 16 };
+        // 16 threads split every (sequence, kv head) of the case over several work units, whose
+        // key/value tiles are then packed once up front.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(16).build().expect("a thread pool");
         for causal in [Causal::None, Causal::BottomRight, Causal::TopLeft] {
             for window in [None, Some((20, 5))] {
                 let case = gqa_varlen_case(dtype, causal, window);
                 // No cache; room for some of the 7 key tiles (bf16 pairs: 4 of Kᵀ + V; f32: 3 of
                 // Kᵀ, 5 of V; the rest packed per query tile, f32 V read in place); plenty.
-                let none = run_checked::<T>(&case, tiles, 0);
-                let some = run_checked::<T>(&case, tiles, 2 * 4 * (40 + 24) * 16);
-                let all = run_checked::<T>(&case, tiles, 1 << 24);
+                let (none, _) = run_checked::<T>(&case, tiles, 0, false);
+                let (some, _) = run_checked::<T>(&case, tiles, 2 * 4 * (40 + 24) * 16, false);
+                let (all, _) = run_checked::<T>(&case, tiles, 1 << 24, false);
                 assert!(none == some && some == all, "{case}: the cache changed the results");
+                for budget in [0, 1 << 24] {
+                    let (shared, packed) = pool.install(|| run_checked::<T>(&case, tiles, budget, true));
+                    assert!(packed > 0, "{case}: no key tile was shared on 16 threads");
+                    assert!(shared == none, "{case}: shared key/value tiles changed the results");
+                }
             }
         }
     }
