@@ -3,6 +3,7 @@
 
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::blocking::{Strides, Tiles};
 use super::gemm::{gemm_acc_skipping_zeros, gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
@@ -154,26 +155,40 @@ impl Drop for Pooled {
     }
 }
 
-/// Most bytes of key/value tiles one call packs up front to share between its work units
-/// ([`SharedTiles`]); a call that would need more packs per unit instead. The memory is kept for
-/// the next call, as the threads keep their scratch ([`Pooled`]).
+/// Most bytes of key/value tiles one call shares between its work units ([`SharedTiles`]); a call
+/// that would need more packs per unit instead. The memory is kept for the next call, as the
+/// threads keep their scratch ([`Pooled`]).
 pub(super) const SHARED_BUDGET: usize = 64 << 20;
 
-/// Key/value tiles packed once per call, before the work units start, for the (sequence, kv
-/// head) pairs whose query tiles are split over several units: each such unit would otherwise
-/// pack every key tile it visits for itself (`f32` at 1 × 8 heads × 128², d 128 on 16 threads:
-/// eight units of 16 rows a head, each transposing the head's 128 keys). A slot holds what a unit's
-/// cache slot ([`TileCache`]) holds for the same key tile, packed by the same code, so the
-/// results are the same bits either way.
+/// A shared slot's states: no unit has claimed it, a unit is packing it, it is packed.
+const FREE: u8 = 0;
+const PACKING: u8 = 1;
+const READY: u8 = 2;
+
+/// Key/value tiles shared by the work units of a (sequence, kv head) whose query tiles are split
+/// over several units: each such unit would otherwise pack every key tile it visits for itself
+/// (`f32` at 1 × 2 heads × 1024², d 128 on 16 threads: eight units a head, each transposing the
+/// head's 1024 keys). The first unit to need a tile claims its slot and packs it; a unit that
+/// finds it being packed packs another free tile of the same (sequence, kv head) meanwhile, or
+/// waits: the units of a pair, which start together, pack its tiles between them, once, with no
+/// pass of their own before the units start. A slot holds what a unit's cache slot
+/// ([`TileCache`]) holds for the same key tile, packed by the same code, so the results are the
+/// same bits either way.
 pub(super) struct SharedTiles {
-    /// Per `seq · hk + kv_head`: the slot of its first packed key tile and the key tiles packed
+    /// Per `seq · hk + kv_head`: the slot of its first key tile and the key tiles with slots
     /// (those its query rows can see), or `None` (its units pack their own).
     groups: Vec<Option<(usize, Range<usize>)>>,
-    /// `Kᵀ` and `V` slots of the path in use (`f32` panels, or `bf16` pairs).
-    kt: Vec<f32>,
-    v: Vec<f32>,
-    pair_kt: Vec<Bf16Pair>,
-    pair_v: Vec<Bf16Pair>,
+    /// Per slot: [`FREE`], [`PACKING`] or [`READY`]. A slot is written only by the unit that moved
+    /// it from free to packing, and read only after a load that saw it ready (acquire, against the
+    /// packer's release).
+    state: Vec<AtomicU8>,
+    /// `Kᵀ` and `V` slots of the path in use (`f32` panels, or `bf16` pairs), written and read
+    /// through raw slices of one slot each (`buffers` owns the memory).
+    kt: Sink<f32>,
+    v: Sink<f32>,
+    pair_kt: Sink<Bf16Pair>,
+    pair_v: Sink<Bf16Pair>,
+    buffers: SharedBuffers,
     kt_len: usize,
     v_len: usize,
 }
@@ -186,27 +201,90 @@ type SharedBuffers = (Vec<f32>, Vec<f32>, Vec<Bf16Pair>, Vec<Bf16Pair>);
 static SHARED_KEPT: std::sync::Mutex<Option<SharedBuffers>> = std::sync::Mutex::new(None);
 
 impl SharedTiles {
+    /// Slots for the key tiles of the (sequence, kv head) pairs in `shared_groups` (indexed
+    /// `seq · hk + kv_head`) that their query rows can see, none packed yet; no slots at all where
+    /// they would take more than [`SHARED_BUDGET`] bytes (every unit then packs its own). `pairs`:
+    /// the products run on `bf16` pairs; `pack_v`: the `f32` path packs `V` (else it reads `V` in
+    /// place, and only `Kᵀ` is shared).
+    pub(super) fn new(
+        g: &Geometry<'_>,
+        tiles: Tiles,
+        shared_groups: &[bool],
+        pairs: bool,
+        pack_v: bool,
+    ) -> crate::error::Result<Self> {
+        let bc = tiles.bc;
+        let panels = |n: usize| n.div_ceil(PANEL_WIDTH) * PANEL_WIDTH;
+        let (kt_len, v_len) = if pairs {
+            (g.d.div_ceil(2) * bc, bc.div_ceil(2) * g.dv)
+        } else {
+            (g.d * panels(bc), if pack_v { bc * panels(g.dv) } else { 0 })
+        };
+        let mut groups = vec![None; shared_groups.len()];
+        let mut slots = 0;
+        for (s, seq) in g.seqs.iter().enumerate() {
+            for kv_head in 0..g.hk {
+                if !shared_groups.get(s * g.hk + kv_head).copied().unwrap_or(false) || seq.sq == 0 {
+                    continue;
+                }
+                let keys = g.visibility(seq, kv_head * (g.hq / g.hk)).key_range(0..seq.sq);
+                if keys.is_empty() {
+                    continue;
+                }
+                let tiles = keys.start / bc..keys.end.div_ceil(bc);
+                groups[s * g.hk + kv_head] = Some((slots, tiles.clone()));
+                slots += tiles.len();
+            }
+        }
+        if slots == 0 || 4 * slots * (kt_len + v_len) > SHARED_BUDGET {
+            return Ok(SharedTiles::none());
+        }
+        let kept = SHARED_KEPT.try_lock().ok().and_then(|mut k| k.take());
+        let (kt, v, pair_kt, pair_v) = kept.unwrap_or_default();
+        let (f32_len, pair_len) = if pairs { (0, slots) } else { (slots, 0) };
+        let mut buffers = (
+            resized(kt, f32_len * kt_len, "shared key tiles")?,
+            resized(v, f32_len * v_len, "shared value tiles")?,
+            resized(pair_kt, pair_len * kt_len, "shared key tiles")?,
+            resized(pair_v, pair_len * v_len, "shared value tiles")?,
+        );
+        Ok(SharedTiles {
+            groups,
+            state: (0..slots).map(|_| AtomicU8::new(FREE)).collect(),
+            kt: Sink::new(&mut buffers.0),
+            v: Sink::new(&mut buffers.1),
+            pair_kt: Sink::new(&mut buffers.2),
+            pair_v: Sink::new(&mut buffers.3),
+            buffers,
+            kt_len,
+            v_len,
+        })
+    }
+
     /// No shared tiles: every unit packs its own.
     pub(super) fn none() -> Self {
+        let mut buffers: SharedBuffers = Default::default();
         SharedTiles {
             groups: Vec::new(),
-            kt: Vec::new(),
-            v: Vec::new(),
-            pair_kt: Vec::new(),
-            pair_v: Vec::new(),
+            state: Vec::new(),
+            kt: Sink::new(&mut buffers.0),
+            v: Sink::new(&mut buffers.1),
+            pair_kt: Sink::new(&mut buffers.2),
+            pair_v: Sink::new(&mut buffers.3),
+            buffers,
             kt_len: 0,
             v_len: 0,
         }
     }
 
-    /// Whether any (sequence, kv head) has shared tiles.
-    pub(super) fn is_empty(&self) -> bool {
-        self.groups.iter().all(Option::is_none)
+    /// Whether any (sequence, kv head) shares its tiles.
+    pub(super) fn has_slots(&self) -> bool {
+        !self.state.is_empty()
     }
 
-    /// Key tiles packed.
-    pub(super) fn tiles(&self) -> usize {
-        self.groups.iter().flatten().map(|(_, t)| t.len()).sum()
+    /// Key tiles packed into shared slots so far.
+    pub(super) fn packed(&self) -> usize {
+        self.state.iter().filter(|s| s.load(Ordering::Acquire) == READY).count()
     }
 
     /// The slot of key tile `tile` of (`seq`, `kv_head`), if shared.
@@ -217,19 +295,75 @@ impl SharedTiles {
         }
     }
 
+    /// Packed slot `slot`'s `Kᵀ` (`f32` path).
+    ///
+    /// # Safety
+    /// This thread saw the slot [`READY`] (so it is never written again in this call).
+    unsafe fn kt(&self, slot: usize) -> &[f32] {
+        // SAFETY: in bounds (the buffer has every slot); no writer by the caller's contract.
+        unsafe { self.kt.slice_mut(slot * self.kt_len, self.kt_len) }
+    }
+
+    /// Packed slot `slot`'s `V` (`f32` path; empty where `V` is read in place).
+    ///
+    /// # Safety
+    /// As [`Self::kt`].
+    unsafe fn v(&self, slot: usize) -> &[f32] {
+        // SAFETY: as in `kt`.
+        unsafe { self.v.slice_mut(slot * self.v_len, self.v_len) }
+    }
+
+    /// Packed slot `slot`'s `Kᵀ` as `bf16` pairs.
+    ///
+    /// # Safety
+    /// As [`Self::kt`].
+    unsafe fn pair_kt(&self, slot: usize) -> &[Bf16Pair] {
+        // SAFETY: as in `kt`.
+        unsafe { self.pair_kt.slice_mut(slot * self.kt_len, self.kt_len) }
+    }
+
+    /// Packed slot `slot`'s `V` as `bf16` pairs.
+    ///
+    /// # Safety
+    /// As [`Self::kt`].
+    unsafe fn pair_v(&self, slot: usize) -> &[Bf16Pair] {
+        // SAFETY: as in `kt`.
+        unsafe { self.pair_v.slice_mut(slot * self.v_len, self.v_len) }
+    }
+
     /// Hands the memory back for the next call.
     pub(super) fn keep(self) {
-        let bytes = 4 * (self.kt.capacity() + self.v.capacity() + self.pair_kt.capacity() + self.pair_v.capacity());
+        let (kt, v, pair_kt, pair_v) = self.buffers;
+        let bytes = 4 * (kt.capacity() + v.capacity() + pair_kt.capacity() + pair_v.capacity());
         if bytes <= SHARED_BUDGET {
             if let Ok(mut kept) = SHARED_KEPT.try_lock() {
-                *kept = Some((self.kt, self.v, self.pair_kt, self.pair_v));
+                *kept = Some((kt, v, pair_kt, pair_v));
             }
         }
     }
 }
 
-/// `v` resized to `n` elements, its memory reused; only growth is zeroed (every slot is filled
-/// before it is read, and a slot's unused columns are zeroed by the task that fills it).
+/// A shared slot this thread has claimed ([`PACKING`]): [`Claim::ready`] publishes it; dropped
+/// without that (the packing panicked), it is free again, so that a unit waiting for it packs it
+/// (and meets the panic itself) instead of waiting for ever.
+struct Claim<'a>(&'a AtomicU8);
+
+impl Claim<'_> {
+    /// The slot is packed: readers that load it ready see its contents.
+    fn ready(self) {
+        self.0.store(READY, Ordering::Release);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.0.store(FREE, Ordering::Release);
+    }
+}
+
+/// `v` resized to `n` elements, its memory reused; only growth is zeroed (a slot is zeroed by the
+/// unit that packs it, before it packs it).
 fn resized<E: Copy + Default>(mut v: Vec<E>, n: usize, what: &'static str) -> crate::error::Result<Vec<E>> {
     if n > v.len() {
         v.try_reserve_exact(n - v.len()).map_err(|_| crate::error::Error::OutOfMemory {
@@ -243,96 +377,97 @@ fn resized<E: Copy + Default>(mut v: Vec<E>, n: usize, what: &'static str) -> cr
 }
 
 impl<T: Element> Context<'_, T> {
-    /// Packs the key tiles of the (sequence, kv head) pairs in `shared_groups` (indexed `seq · hk +
-    /// kv_head`) that their query rows can see, in parallel, one key tile a task; none at all
-    /// where they would take more than [`SHARED_BUDGET`] bytes (every unit then packs its own).
-    /// A tile a unit asks for outside these (a head of the group that sees other keys) it packs
-    /// itself, as before.
-    pub(super) fn pack_shared(&self, shared_groups: &[bool], pack_v: bool) -> crate::error::Result<SharedTiles> {
-        let g = self.g;
-        let bc = self.tiles.bc;
-        let pairs = self.bf16.is_some();
-        let panels = |n: usize| n.div_ceil(PANEL_WIDTH) * PANEL_WIDTH;
-        let (kt_len, v_len) = if pairs {
-            (g.d.div_ceil(2) * bc, bc.div_ceil(2) * g.dv)
-        } else {
-            (g.d * panels(bc), if pack_v { bc * panels(g.dv) } else { 0 })
-        };
-        let mut groups = vec![None; shared_groups.len()];
-        let mut items = Vec::new();
-        let mut slots = 0;
-        for (s, seq) in g.seqs.iter().enumerate() {
-            for kv_head in 0..g.hk {
-                if !shared_groups.get(s * g.hk + kv_head).copied().unwrap_or(false) || seq.sq == 0 {
-                    continue;
+    /// Returns once shared slot `slot` (key tile `tile` of sequence `s`, kv head `kv_head`) is
+    /// packed: packs it if no unit has claimed it; while another unit packs it, packs the group's
+    /// other free tiles, then waits. `k_buf`, `v_buf`: the unit's scratch for widened rows.
+    fn shared_ready(
+        &self,
+        (k_buf, v_buf): (&mut Vec<f32>, &mut Vec<f32>),
+        s: usize,
+        kv_head: usize,
+        tile: usize,
+        slot: usize,
+    ) {
+        let state = &self.shared.state[slot];
+        let mut spins = 0u32;
+        loop {
+            match state.load(Ordering::Acquire) {
+                READY => return,
+                FREE if state.compare_exchange(FREE, PACKING, Ordering::Acquire, Ordering::Acquire).is_ok() => {
+                    let claim = Claim(state);
+                    self.pack_shared_slot((&mut *k_buf, &mut *v_buf), s, kv_head, tile, slot);
+                    claim.ready();
+                    return;
                 }
-                let keys = g.visibility(seq, kv_head * (g.hq / g.hk)).key_range(0..seq.sq);
-                if keys.is_empty() {
-                    continue;
-                }
-                let tiles = keys.start / bc..keys.end.div_ceil(bc);
-                items.extend(tiles.clone().enumerate().map(|(i, t)| (s, kv_head, t, slots + i)));
-                groups[s * g.hk + kv_head] = Some((slots, tiles.clone()));
-                slots += tiles.len();
-            }
-        }
-        if slots == 0 || 4 * slots * (kt_len + v_len) > SHARED_BUDGET {
-            return Ok(SharedTiles::none());
-        }
-        let kept = SHARED_KEPT.try_lock().ok().and_then(|mut k| k.take());
-        let (kt, v, pair_kt, pair_v) = kept.unwrap_or_default();
-        let f32_len = if pairs { 0 } else { slots };
-        let pair_len = if pairs { slots } else { 0 };
-        let mut shared = SharedTiles {
-            groups,
-            kt: resized(kt, f32_len * kt_len, "shared key tiles")?,
-            v: resized(v, f32_len * v_len, "shared value tiles")?,
-            pair_kt: resized(pair_kt, pair_len * kt_len, "shared key tiles")?,
-            pair_v: resized(pair_v, pair_len * v_len, "shared value tiles")?,
-            kt_len,
-            v_len,
-        };
-        let sinks = (
-            Sink::new(&mut shared.kt),
-            Sink::new(&mut shared.v),
-            Sink::new(&mut shared.pair_kt),
-            Sink::new(&mut shared.pair_v),
-        );
-        super::for_each_dynamic(
-            &items,
-            || (Vec::new(), Vec::new()),
-            |(k_buf, v_buf): &mut (Vec<f32>, Vec<f32>), &(s, kv_head, tile, slot)| {
-                let seq = &g.seqs[s];
-                let whole = tile * bc..((tile + 1) * bc).min(seq.sk);
-                // SAFETY: slot `slot` belongs to this item alone (slots are numbered once, above),
-                // and the buffers were sized to `slots` slots of each length.
-                let (kt, v, pkt, pv) = unsafe {
-                    (
-                        sinks.0.slice_mut(slot * kt_len, if pairs { 0 } else { kt_len }),
-                        sinks.1.slice_mut(slot * v_len, if pairs { 0 } else { v_len }),
-                        sinks.2.slice_mut(slot * kt_len, if pairs { kt_len } else { 0 }),
-                        sinks.3.slice_mut(slot * v_len, if pairs { v_len } else { 0 }),
-                    )
-                };
-                if let Some(bits) = self.bf16 {
-                    pkt.fill(0);
-                    pv.fill(0);
-                    pack_rows_transposed(self.isa, pkt, bc, bits.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
-                    pack_row_pairs(pv, g.dv, bits.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
-                } else {
-                    kt.fill(0.0);
-                    let n = whole.len();
-                    let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
-                    transpose_panels(self.isa, kt, k, ldk, n, g.d);
-                    if pack_v {
-                        v.fill(0.0);
-                        let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
-                        pack_panels(v, bc, rows, ld, n, g.dv);
+                FREE => {}
+                _ => {
+                    if !self.help_pack((&mut *k_buf, &mut *v_buf), s, kv_head) {
+                        spins += 1;
+                        if spins < 64 {
+                            std::hint::spin_loop();
+                        } else {
+                            std::thread::yield_now();
+                        }
                     }
                 }
-            },
-        );
-        Ok(shared)
+            }
+        }
+    }
+
+    /// Packs one free shared tile of (`s`, `kv_head`), if any is left; whether it did.
+    fn help_pack(&self, bufs: (&mut Vec<f32>, &mut Vec<f32>), s: usize, kv_head: usize) -> bool {
+        let Some(Some((first, tiles))) = self.shared.groups.get(s * self.g.hk + kv_head) else { return false };
+        for (i, tile) in tiles.clone().enumerate() {
+            let state = &self.shared.state[first + i];
+            if state.load(Ordering::Relaxed) == FREE
+                && state.compare_exchange(FREE, PACKING, Ordering::Acquire, Ordering::Relaxed).is_ok()
+            {
+                let claim = Claim(state);
+                self.pack_shared_slot(bufs, s, kv_head, tile, first + i);
+                claim.ready();
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Packs key tile `tile` of (`s`, `kv_head`) whole into shared slot `slot`, which this thread
+    /// has claimed (moved from [`FREE`] to [`PACKING`]).
+    fn pack_shared_slot(
+        &self,
+        (k_buf, v_buf): (&mut Vec<f32>, &mut Vec<f32>),
+        s: usize,
+        kv_head: usize,
+        tile: usize,
+        slot: usize,
+    ) {
+        let (g, bc, sh) = (self.g, self.tiles.bc, self.shared);
+        let seq = &g.seqs[s];
+        let whole = tile * bc..((tile + 1) * bc).min(seq.sk);
+        if let Some(bits) = self.bf16 {
+            // SAFETY: this thread claimed the slot: no other thread reads or writes it until it is
+            // marked ready; the buffers hold every slot.
+            let (kt, v) = unsafe {
+                (sh.pair_kt.slice_mut(slot * sh.kt_len, sh.kt_len), sh.pair_v.slice_mut(slot * sh.v_len, sh.v_len))
+            };
+            kt.fill(0);
+            v.fill(0);
+            pack_rows_transposed(self.isa, kt, bc, bits.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
+            pack_row_pairs(v, g.dv, bits.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
+        } else {
+            // SAFETY: as above.
+            let (kt, v) =
+                unsafe { (sh.kt.slice_mut(slot * sh.kt_len, sh.kt_len), sh.v.slice_mut(slot * sh.v_len, sh.v_len)) };
+            kt.fill(0.0);
+            let n = whole.len();
+            let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
+            transpose_panels(self.isa, kt, k, ldk, n, g.d);
+            if sh.v_len > 0 {
+                v.fill(0.0);
+                let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
+                pack_panels(v, bc, rows, ld, n, g.dv);
+            }
+        }
     }
 }
 
@@ -546,10 +681,14 @@ impl<T: Element> Context<'_, T> {
             let (key_tile, whole) = (cols.start / bc, cols.start..(cols.start + bc).min(seq.sk));
             let packed = |slot: bool| if slot { whole.clone() } else { cols.clone() };
             let shared_slot = self.shared.slot(g.hk, seq_index, kv_head, key_tile);
+            if let Some(slot) = shared_slot {
+                self.shared_ready((&mut sc.k, &mut sc.v), seq_index, kv_head, key_tile, slot);
+            }
             let qk = match (self.bf16, sc.pairs.as_mut()) {
                 (Some(bits), Some(pt)) => {
                     let kt = match shared_slot {
-                        Some(slot) => &self.shared.pair_kt[slot * self.shared.kt_len..(slot + 1) * self.shared.kt_len],
+                        // SAFETY: `shared_ready` saw the slot ready.
+                        Some(slot) => unsafe { self.shared.pair_kt(slot) },
                         None => pt.kt_cache.tile(key_tile, &mut pt.kt, |dst, slot| {
                             pack_rows_transposed(
                                 self.isa,
@@ -570,7 +709,8 @@ impl<T: Element> Context<'_, T> {
                 _ => {
                     let k_buf = &mut sc.k;
                     let kt = match shared_slot {
-                        Some(slot) => &self.shared.kt[slot * self.shared.kt_len..(slot + 1) * self.shared.kt_len],
+                        // SAFETY: `shared_ready` saw the slot ready.
+                        Some(slot) => unsafe { self.shared.kt(slot) },
                         None => sc.kt_cache.tile(key_tile, &mut sc.kt, |dst, slot| {
                             let keys = packed(slot);
                             let n = keys.len();
@@ -613,7 +753,8 @@ impl<T: Element> Context<'_, T> {
             if let (Some(bits), Some(pt)) = (self.bf16, sc.pairs.as_mut()) {
                 // O_i += P_ij V_j on pairs of keys: P rounded to bf16, V interleaved by key pairs.
                 let v = match shared_slot {
-                    Some(slot) => &self.shared.pair_v[slot * self.shared.v_len..(slot + 1) * self.shared.v_len],
+                    // SAFETY: `shared_ready` saw the slot ready.
+                    Some(slot) => unsafe { self.shared.pair_v(slot) },
                     None => pt.v_cache.tile(key_tile, &mut pt.v, |dst, slot| {
                         pack_row_pairs(dst, dv, bits.v, g.v, seq, seq.k_start, packed(slot), kv_head, dv)
                     }),
@@ -648,7 +789,8 @@ impl<T: Element> Context<'_, T> {
             let shared_v = shared_slot.filter(|_| self.shared.v_len > 0);
             let (v, vl) = if let Some(slot) = shared_v {
                 let vl = BLayout::panels(bc);
-                let vt = &self.shared.v[slot * self.shared.v_len..(slot + 1) * self.shared.v_len];
+                // SAFETY: `shared_ready` saw the slot ready.
+                let vt = unsafe { self.shared.v(slot) };
                 (&vt[vl.index(cols.start - whole.start, 0)..], vl)
             } else if sc.v_cache.holds(key_tile) {
                 let v_buf = &mut sc.v;

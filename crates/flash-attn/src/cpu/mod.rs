@@ -163,12 +163,12 @@ fn forward_units(
     units
 }
 
-/// Fewest work units of a (sequence, kv head) for its key/value tiles to be packed once up front
-/// for all of them, and fewest key tiles it must see ([`forward::SharedTiles`]): the packing
-/// runs as a parallel pass of its own before the units, whose start costs tens of microseconds on
-/// 16 threads. Measured on the Xeon (16 threads, session 39), sharing every split pair: 1 × 8 ×
-/// 128² (one key tile, eight units a head) 0.74-0.84× the speed, 4 × 12 × 512², d 64 (two units a
-/// head) 0.90×, 1 × 8 × 2048², d 128 (16 tiles, eight units) 1.06×.
+/// Fewest work units of a (sequence, kv head) for its key/value tiles to be shared between them,
+/// and fewest key tiles it must see ([`forward::SharedTiles`]). Measured on the Xeon (16 threads,
+/// session 39, tiles packed by the units themselves), with 2 units and 1 tile instead: 1 × 8 × 128²
+/// (one key tile, eight units a head: seven wait for the one that packs it) 0.67-0.73× the speed,
+/// 4 × 12 × 512², d 64 (two units a head) 0.92×; with 4 and 4, 1.07-1.11× at 512²-1024², 8 heads,
+/// and 1.21-1.32× with one or two heads.
 const SHARE_MIN_UNITS: usize = 4;
 /// See [`SHARE_MIN_UNITS`].
 const SHARE_MIN_TILES: usize = 4;
@@ -282,9 +282,9 @@ pub fn forward_into_tiled<T: Element>(
 
 /// [`forward_into_tiled`] with the bytes of packed key/value tiles each thread may keep, and
 /// whether the key/value tiles of a (sequence, kv head) split over several work units are packed
-/// once up front for all of them (`share`; tests run both, and cache budgets of none, a few tiles
-/// and plenty: the results must be bitwise the same). Returns the number of key tiles packed up
-/// front.
+/// once for all of them (`share`; tests run both, and cache budgets of none, a few tiles and
+/// plenty: the results must be bitwise the same). Returns the number of key tiles packed into
+/// shared slots.
 #[allow(clippy::too_many_arguments)]
 fn forward_with_cache_budget<T: Element>(
     g: &Geometry<'_>,
@@ -336,7 +336,7 @@ fn forward_with_cache_budget<T: Element>(
     // packed stride).
     let pack_v = T::as_f32(v.data()).is_none() || g.v.token_stride != blocking::padded_stride(g.dv);
     // The (sequence, kv head) pairs whose query tiles several units share (not key splits: those
-    // see disjoint keys) get their key/value tiles packed once, before the units start.
+    // see disjoint keys) get their key/value tiles packed once, by whichever unit needs one first.
     let mut units_of = vec![0usize; g.seqs.len() * g.hk];
     for u in units.iter().filter(|u| u.split.is_none()) {
         units_of[u.seq * g.hk + u.kv_head] += 1;
@@ -351,8 +351,12 @@ fn forward_with_cache_budget<T: Element>(
             share && n >= SHARE_MIN_UNITS && keys.len().div_ceil(tiles.bc) >= SHARE_MIN_TILES
         })
         .collect();
-    let no_shared = forward::SharedTiles::none();
-    let mut ctx = forward::Context {
+    let shared = if shared_groups.contains(&true) {
+        forward::SharedTiles::new(g, tiles, &shared_groups, bf16.is_some(), pack_v)?
+    } else {
+        forward::SharedTiles::none()
+    };
+    let ctx = forward::Context {
         g,
         q: q.data(),
         k: k.data(),
@@ -365,16 +369,10 @@ fn forward_with_cache_budget<T: Element>(
         bf16,
         isa,
         partials: &partials,
-        shared: &no_shared,
+        shared: &shared,
     };
-    let shared = if shared_groups.contains(&true) {
-        ctx.pack_shared(&shared_groups, pack_v)?
-    } else {
-        forward::SharedTiles::none()
-    };
-    ctx.shared = &shared;
     // Units whose tiles are all shared need no cache of their own.
-    let cache_budget = if !shared.is_empty() && units.iter().all(|u| shared_groups[u.seq * g.hk + u.kv_head]) {
+    let cache_budget = if shared.has_slots() && units.iter().all(|u| shared_groups[u.seq * g.hk + u.kv_head]) {
         0
     } else {
         cache_budget
@@ -384,7 +382,7 @@ fn forward_with_cache_budget<T: Element>(
         || forward::Pooled::new(g, tiles, bf16.is_some(), pack_v, cache_budget),
         |scratch, u| ctx.unit(scratch.get(), u.seq, u.kv_head, u.tiles.clone(), u.split),
     );
-    let shared_tiles = shared.tiles();
+    let shared_tiles = shared.packed();
     shared.keep();
     let forward::Partials { seqs: splits, .. } = partials;
     merge_splits(g, &splits, &part_o, &part_lse, &out_sink, out_layout, &lse_sink);
@@ -609,7 +607,7 @@ mod tests {
 
     /// Output bits of `case` with tiles `tiles`, a key/value cache of `budget` bytes per thread
     /// and shared key/value tiles or not (`share`), after checking the contract against the
-    /// oracle; and the number of key tiles packed up front.
+    /// oracle; and the number of key tiles packed into shared slots.
     fn run_checked<T: Element>(case: &Case, tiles: Tiles, budget: usize, share: bool) -> (Vec<u32>, usize) {
         let data = case.data::<T>();
         let spec = case.spec(&data);
@@ -640,7 +638,7 @@ mod tests {
     fn cached_tiles_give_the_uncached_results<T: Element>(dtype: DType) {
         let tiles = Tiles { br: 16, bc: 16 };
         // 16 threads split every (sequence, kv head) of the case over several work units, whose
-        // key/value tiles are then packed once up front.
+        // key/value tiles are then packed once, into shared slots.
         let pool = rayon::ThreadPoolBuilder::new().num_threads(16).build().expect("a thread pool");
         for causal in [Causal::None, Causal::BottomRight, Causal::TopLeft] {
             for window in [None, Some((20, 5))] {
