@@ -379,36 +379,20 @@ fn resized<E: Copy + Default>(mut v: Vec<E>, n: usize, what: &'static str) -> cr
 impl<T: Element> Context<'_, T> {
     /// Returns once shared slot `slot` (key tile `tile` of sequence `s`, kv head `kv_head`) is
     /// packed: packs it if no unit has claimed it; while another unit packs it, packs the group's
-    /// other free tiles, then waits. `k_buf`, `v_buf`: the unit's scratch for widened rows.
-    fn shared_ready(
-        &self,
-        (k_buf, v_buf): (&mut Vec<f32>, &mut Vec<f32>),
-        s: usize,
-        kv_head: usize,
-        tile: usize,
-        slot: usize,
-    ) {
-        let state = &self.shared.state[slot];
+    /// other free tiles, then waits. `bufs`: the unit's scratch for widened rows.
+    fn shared_ready(&self, bufs: (&mut Vec<f32>, &mut Vec<f32>), s: usize, kv_head: usize, tile: usize, slot: usize) {
+        let (k_buf, v_buf) = bufs;
         let mut spins = 0u32;
-        loop {
-            match state.load(Ordering::Acquire) {
-                READY => return,
-                FREE if state.compare_exchange(FREE, PACKING, Ordering::Acquire, Ordering::Acquire).is_ok() => {
-                    let claim = Claim(state);
-                    self.pack_shared_slot((&mut *k_buf, &mut *v_buf), s, kv_head, tile, slot);
-                    claim.ready();
-                    return;
-                }
-                FREE => {}
-                _ => {
-                    if !self.help_pack((&mut *k_buf, &mut *v_buf), s, kv_head) {
-                        spins += 1;
-                        if spins < 64 {
-                            std::hint::spin_loop();
-                        } else {
-                            std::thread::yield_now();
-                        }
-                    }
+        while self.shared.state[slot].load(Ordering::Acquire) != READY {
+            if self.try_pack((&mut *k_buf, &mut *v_buf), s, kv_head, tile, slot) {
+                return;
+            }
+            if !self.help_pack((&mut *k_buf, &mut *v_buf), s, kv_head) {
+                spins += 1;
+                if spins < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
                 }
             }
         }
@@ -417,18 +401,33 @@ impl<T: Element> Context<'_, T> {
     /// Packs one free shared tile of (`s`, `kv_head`), if any is left; whether it did.
     fn help_pack(&self, bufs: (&mut Vec<f32>, &mut Vec<f32>), s: usize, kv_head: usize) -> bool {
         let Some(Some((first, tiles))) = self.shared.groups.get(s * self.g.hk + kv_head) else { return false };
-        for (i, tile) in tiles.clone().enumerate() {
-            let state = &self.shared.state[first + i];
-            if state.load(Ordering::Relaxed) == FREE
-                && state.compare_exchange(FREE, PACKING, Ordering::Acquire, Ordering::Relaxed).is_ok()
-            {
-                let claim = Claim(state);
-                self.pack_shared_slot(bufs, s, kv_head, tile, first + i);
-                claim.ready();
-                return true;
-            }
+        let (k_buf, v_buf) = bufs;
+        tiles
+            .clone()
+            .enumerate()
+            .any(|(i, tile)| self.try_pack((&mut *k_buf, &mut *v_buf), s, kv_head, tile, first + i))
+    }
+
+    /// Claims shared slot `slot` (key tile `tile` of (`s`, `kv_head`)) if it is free, packs it and
+    /// marks it ready; whether it did.
+    fn try_pack(
+        &self,
+        bufs: (&mut Vec<f32>, &mut Vec<f32>),
+        s: usize,
+        kv_head: usize,
+        tile: usize,
+        slot: usize,
+    ) -> bool {
+        let state = &self.shared.state[slot];
+        if state.load(Ordering::Relaxed) != FREE
+            || state.compare_exchange(FREE, PACKING, Ordering::Acquire, Ordering::Relaxed).is_err()
+        {
+            return false;
         }
-        false
+        let claim = Claim(state);
+        self.pack_shared_slot(bufs, s, kv_head, tile, slot);
+        claim.ready();
+        true
     }
 
     /// Packs key tile `tile` of (`s`, `kv_head`) whole into shared slot `slot`, which this thread
