@@ -202,14 +202,16 @@ static SHARED_KEPT: std::sync::Mutex<Option<SharedBuffers>> = std::sync::Mutex::
 
 impl SharedTiles {
     /// Slots for the key tiles of the (sequence, kv head) pairs in `shared_groups` (indexed
-    /// `seq · hk + kv_head`) that their query rows can see, none packed yet; no slots at all where
-    /// they would take more than [`SHARED_BUDGET`] bytes (every unit then packs its own). `pairs`:
+    /// `seq · hk + kv_head`) that their query rows can see, none packed yet, for the pairs that see
+    /// at least `min_tiles` key tiles; no slots at all where they would take more than
+    /// [`SHARED_BUDGET`] bytes (every unit then packs its own). `pairs`:
     /// the products run on `bf16` pairs; `pack_v`: the `f32` path packs `V` (else it reads `V` in
     /// place, and only `Kᵀ` is shared).
     pub(super) fn new(
         g: &Geometry<'_>,
         tiles: Tiles,
         shared_groups: &[bool],
+        min_tiles: usize,
         pairs: bool,
         pack_v: bool,
     ) -> crate::error::Result<Self> {
@@ -228,10 +230,10 @@ impl SharedTiles {
                     continue;
                 }
                 let keys = g.visibility(seq, kv_head * (g.hq / g.hk)).key_range(0..seq.sq);
-                if keys.is_empty() {
+                let tiles = keys.start / bc..keys.end.div_ceil(bc);
+                if keys.is_empty() || tiles.len() < min_tiles {
                     continue;
                 }
-                let tiles = keys.start / bc..keys.end.div_ceil(bc);
                 groups[s * g.hk + kv_head] = Some((slots, tiles.clone()));
                 slots += tiles.len();
             }
@@ -277,9 +279,9 @@ impl SharedTiles {
         }
     }
 
-    /// Whether any (sequence, kv head) shares its tiles.
-    pub(super) fn has_slots(&self) -> bool {
-        !self.state.is_empty()
+    /// Whether (`seq`, `kv_head`) shares its key tiles.
+    pub(super) fn shares(&self, hk: usize, seq: usize, kv_head: usize) -> bool {
+        matches!(self.groups.get(seq * hk + kv_head), Some(Some(_)))
     }
 
     /// Key tiles packed into shared slots so far.

@@ -341,18 +341,9 @@ fn forward_with_cache_budget<T: Element>(
     for u in units.iter().filter(|u| u.split.is_none()) {
         units_of[u.seq * g.hk + u.kv_head] += 1;
     }
-    let shared_groups: Vec<bool> = g
-        .seqs
-        .iter()
-        .flat_map(|seq| (0..g.hk).map(move |kv_head| (seq, kv_head)))
-        .zip(&units_of)
-        .map(|((seq, kv_head), &n)| {
-            let keys = g.visibility(seq, kv_head * (g.hq / g.hk)).key_range(0..seq.sq);
-            share && n >= SHARE_MIN_UNITS && keys.len().div_ceil(tiles.bc) >= SHARE_MIN_TILES
-        })
-        .collect();
+    let shared_groups: Vec<bool> = units_of.iter().map(|&n| share && n >= SHARE_MIN_UNITS).collect();
     let shared = if shared_groups.contains(&true) {
-        forward::SharedTiles::new(g, tiles, &shared_groups, bf16.is_some(), pack_v)?
+        forward::SharedTiles::new(g, tiles, &shared_groups, SHARE_MIN_TILES, bf16.is_some(), pack_v)?
     } else {
         forward::SharedTiles::none()
     };
@@ -372,11 +363,7 @@ fn forward_with_cache_budget<T: Element>(
         shared: &shared,
     };
     // Units whose tiles are all shared need no cache of their own.
-    let cache_budget = if shared.has_slots() && units.iter().all(|u| shared_groups[u.seq * g.hk + u.kv_head]) {
-        0
-    } else {
-        cache_budget
-    };
+    let cache_budget = if units.iter().all(|u| shared.shares(g.hk, u.seq, u.kv_head)) { 0 } else { cache_budget };
     for_each_dynamic(
         &units,
         || forward::Pooled::new(g, tiles, bf16.is_some(), pack_v, cache_budget),
