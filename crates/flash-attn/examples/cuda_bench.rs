@@ -11,7 +11,8 @@
 //!                                          times the backward pass alone (FLOPs 2.5 × forward)
 //! cuda_bench sanitize [fp8|NAME]           a few small forward and backward launches (dropout,
 //!                                          deterministic), for compute-sanitizer (`fp8`: the FP8
-//!                                          forward's alone; NAME: the variants whose name has it)
+//!                                          forward's alone; NAME: the variants whose name has it, or
+//!                                          each part of `A+B`)
 //! cuda_bench bench-fp8 [--d 128] [--seqs ..] [--causal both] [--reps N]
 //!                                          the FP8 (e4m3) forward (both kernels) and the bf16
 //!                                          forward on the same shapes, one after another per rep
@@ -286,8 +287,9 @@ fn sanitize(only: Option<&str>) -> Result<()> {
 /// device runs and whose name contains `pattern` (deterministic every other one), each checked
 /// against the oracle.
 fn sanitize_variants(rng: &mut Rng, arch: &Arch, pattern: &str) -> Result<()> {
-    for (i, variant) in Variant::all().into_iter().filter(|v| v.runs_on(arch) && v.name().contains(pattern)).enumerate()
-    {
+    // `a+b`: names holding every part.
+    let matches = |v: &Variant| pattern.split('+').all(|part| v.name().contains(part));
+    for (i, variant) in Variant::all().into_iter().filter(|v| v.runs_on(arch) && matches(v)).enumerate() {
         let mut c = random_case(rng);
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];

@@ -135,6 +135,27 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
         }
     }
     assert_eq!(Variant::default_on(&sm90a, DType::F32, 64), None);
+    // The default for fixed-length problems on sm_90a: the warp-specialised kernel at its tile
+    // widths (64, 96, 128), with no optional path or one of WS_EXTRAS; the other Hopper kernel
+    // at 192 and 256, for the other sets of paths, and where the problem does not suit it.
+    for dtype in [DType::BF16, DType::F16] {
+        for d in HOPPER_HEAD_DIMS {
+            let ws = cuda::WS_HEAD_DIMS.contains(&d);
+            for e in std::iter::once(ExtraPaths::NONE).chain(every_extra_set()) {
+                let v = Variant::for_problem(&sm90a, dtype, d, e, true).expect("a forward variant");
+                let paths_ok = !e.any() || cuda::WS_EXTRAS.contains(&e);
+                assert_eq!(v.ws, ws && paths_ok, "{} for d = {d}, {e:?}", v.name());
+                assert!(v.wgmma && v.d == d && v.extras == e, "{}", v.name());
+                if v.ws || !e.any() || ExtraPaths::gated().contains(&e) {
+                    assert!(Variant::all().contains(&v), "{} is compiled", v.name());
+                }
+                let w = Variant::for_problem(&sm90a, dtype, d, e, false).expect("a forward variant");
+                assert!(!w.ws && w.wgmma && w.extras == e, "{}", w.name());
+                let a = Variant::for_problem(&sm80, dtype, d.min(256), e, true);
+                assert!(a.is_none_or(|a| !a.wgmma && !a.ws));
+            }
+        }
+    }
 }
 
 /// The fifteen non-empty sets of optional paths.

@@ -161,8 +161,10 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// takes the memory of a 128 one; only the products shrink.
 pub const HOPPER_HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
 
-/// Tile widths the warp-specialised 16-bit Hopper forward is compiled for ([`Variant::ws`]).
-pub const WS_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Tile widths the warp-specialised 16-bit Hopper forward is compiled for ([`Variant::ws`]). The
+/// 96 tile lies in shared memory as the 128 one does (two 64-column blocks a row), with the
+/// products of its own width.
+pub const WS_HEAD_DIMS: [usize; 3] = [64, 96, 128];
 
 /// The optional-path sets the warp-specialised kernels (forward and backward) are compiled with
 /// besides none: dropout alone and softcap alone.
@@ -217,7 +219,7 @@ impl Variant {
     /// Stages of each of the warp-specialised kernel's K and V rings (`STAGES` in `FlashFwdWs`,
     /// which must agree): 4 where a tile takes at most 16 KiB, else 2.
     pub fn ws_stages(&self) -> usize {
-        if self.bc * self.d * 2 <= 16384 {
+        if self.bc * self.d.next_multiple_of(64) * 2 <= 16384 {
             4
         } else {
             2
@@ -232,7 +234,10 @@ impl Variant {
     pub fn smem_bytes(&self) -> usize {
         if self.ws {
             let stages = self.ws_stages();
-            (2 * self.block_rows() + 2 * stages * self.bc) * self.d * 2 + 8 * (4 + 4 * stages) + 8 + 1024
+            (2 * self.block_rows() + 2 * stages * self.bc) * self.d.next_multiple_of(64) * 2
+                + 8 * (4 + 4 * stages)
+                + 8
+                + 1024
         } else if self.wgmma {
             (self.block_rows() + 4 * self.bc) * self.d.next_multiple_of(64) * 2 + 1024
         } else {
@@ -308,10 +313,11 @@ impl Variant {
 
     /// The variant a problem runs on by default: on sm_90a, where `ws_ok` (the problem is one the
     /// warp-specialised kernel takes: a fixed-length batch with keys and a positive softmax
-    /// scale), the warp-specialised kernel at tile widths 64 and 128 for problems without
-    /// optional paths (1.1-1.46x the other Hopper kernel), with dropout alone (1.06-1.25x the
-    /// other's dropout variant) and with softcap alone (1.26-1.28x at 128; at 64 1.01-1.05x the
-    /// other kernel's 64-key tiles since softcap runs on `tanh.approx`); docs/cuda-notes.md. Else
+    /// scale), the warp-specialised kernel at tile widths 64, 96 and 128 for problems without
+    /// optional paths (1.1-1.46x the other Hopper kernel at 64 and 128, 1.31-1.47x at 96), with
+    /// dropout alone (1.06-1.25x the other's dropout variant; 1.26-1.38x at 96) and with softcap
+    /// alone (1.26-1.28x at 128, 1.30-1.40x at 96; at 64 1.01-1.05x the other kernel's 64-key
+    /// tiles since softcap runs on `tanh.approx`); docs/cuda-notes.md. Else
     /// [`Variant::extras_on`].
     pub fn for_problem(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths, ws_ok: bool) -> Option<Variant> {
         if arch.has_wgmma() && ws_ok {
@@ -327,8 +333,8 @@ impl Variant {
         Variant::extras_on(arch, dtype, d, extras)
     }
 
-    /// The warp-specialised Hopper variant for `dtype` and tile width `d` (64 or 128): 128 query
-    /// rows (two consumer warpgroups), 128 keys a tile.
+    /// The warp-specialised Hopper variant for `dtype` and tile width `d` (64, 96 or 128): 128
+    /// query rows (two consumer warpgroups), 128 keys a tile.
     pub fn hopper_ws_for(dtype: DType, d: usize) -> Option<Variant> {
         if dtype == DType::F32 || !WS_HEAD_DIMS.contains(&d) {
             return None;
@@ -431,6 +437,8 @@ impl Variant {
                 if let Some(h) = Variant::hopper_for(dtype, d) {
                     v.push(h);
                     v.extend(ExtraPaths::gated().into_iter().filter_map(|x| Variant::hopper_extras_for(dtype, d, x)));
+                    v.extend(Variant::hopper_ws_for(dtype, d));
+                    v.extend(WS_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)));
                 }
             }
             for d in HEAD_DIMS {

@@ -1305,15 +1305,17 @@ mod tests {
             supported(&g, DType::BF16, &Arch("sm_90a".into())).expect("a variant").name()
         };
         let plain = || AttentionSpec::new().causal();
-        // Plain, dropout alone and softcap alone: the warp-specialised kernel at 64 and 128.
-        for d in [64, 128] {
+        // Plain, dropout alone and softcap alone: the warp-specialised kernel at 64, 96 (d 72-96)
+        // and 128.
+        for d in [64, 72, 96, 128] {
             assert!(name(d, plain()).ends_with("_h_ws"), "{}", name(d, plain()));
             assert!(name(d, plain().dropout(0.1, 1, 0)).ends_with("_h_xd_ws"));
             assert!(name(d, plain().softcap(30.0)).ends_with("_h_xs_ws"));
         }
         // Both, or another width: the other Hopper kernel.
         assert!(!name(128, plain().softcap(30.0).dropout(0.1, 1, 0)).ends_with("_ws"));
-        assert!(!name(96, plain().dropout(0.1, 1, 0)).ends_with("_ws"));
+        assert!(!name(192, plain().dropout(0.1, 1, 0)).ends_with("_ws"));
+        assert!(!name(160, plain()).ends_with("_ws"));
         // Sm_80 has no warp-specialised kernel.
         let x = vec![(); b * s * h * 64];
         let t = Tensor::new(&x, &[b, s, h, 64]);

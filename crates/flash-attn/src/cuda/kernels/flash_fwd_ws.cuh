@@ -73,13 +73,17 @@ struct FlashFwdWs {
     static constexpr int NT = BC / 8;
     static constexpr int DT = D / 8;
     static constexpr int PA = Mma::PA;
-    static constexpr int ROW_BLOCKS = D * ESIZE / 128;  // 128-byte column blocks of a row
-    static constexpr int BLOCK_COLS = 128 / ESIZE;      // elements a column block holds
-    static_assert(D * ESIZE % 128 == 0, "rows of whole 128-byte blocks");
+    // 128-byte column blocks of a row: whole blocks, so a 96-column 16-bit tile takes two (its
+    // rows' last 32 columns are the TMA's zero fill past d, and no product reads them: QKᵀ runs
+    // D / 16 k-steps, P·V FlashFwdSm90's 64 + 32 columns), as in FlashFwdSm90.
+    static constexpr int ROW_BLOCKS = (D * ESIZE + 127) / 128;
+    static constexpr int BLOCK_COLS = 128 / ESIZE;  // elements a column block holds
+    static constexpr int DP = ROW_BLOCKS * BLOCK_COLS;  // D padded to whole blocks
+    static_assert(D * ESIZE % 128 == 0 || (!E4M3 && D == 96), "rows of whole 128-byte blocks, or the 96 tile");
     static_assert(BC == 128 || !E4M3, "a Vᵀ tile row is one 128-byte swizzle row: 128 keys");
-    static constexpr int Q_BYTES = BR * D * ESIZE;
-    static constexpr int K_BYTES = BC * D * ESIZE;
-    static constexpr int V_BYTES = BC * D * ESIZE;
+    static constexpr int Q_BYTES = BR * DP * ESIZE;
+    static constexpr int K_BYTES = BC * DP * ESIZE;
+    static constexpr int V_BYTES = BC * DP * ESIZE;
     static constexpr int STAGES = K_BYTES <= 16384 ? 4 : 2;  // per ring
     // Two Q buffers, the K ring, the V ring, then the mbarriers (8 bytes each: Q full and empty,
     // two each; K full and empty, V full and empty, STAGES each), then each Q buffer's item index.
@@ -402,7 +406,7 @@ struct FlashFwdWs {
                 for (int r = 0; r < 2; ++r)
                     if (t == 0 && g + 8 * r < rows_here) gL[g + 8 * r] = lse[r];
 #pragma unroll
-                for (int pass = 0; pass < D / 64; ++pass) {
+                for (int pass = 0; pass < (D + 63) / 64; ++pass) {
                     const u32 sW = sQb + (u32)((pass % ROW_BLOCKS) * BR * 128 + warp_row * 128);  // 16 rows
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
@@ -410,6 +414,7 @@ struct FlashFwdWs {
 #pragma unroll
                         for (int c = 0; c < 8; ++c) {
                             const int dt = 8 * pass + c;
+                            if (dt >= DT) break;  // the 96 tile's second pass: 32 columns
                             const u32 v = pack2<BF16 || E4M3>(o[0][dt].x[2 * r], o[0][dt].x[2 * r + 1]);
                             const u32 addr = sW + (u32)(row * 128 + ((c ^ (row & 7)) * 16) + 4 * t);
                             asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
