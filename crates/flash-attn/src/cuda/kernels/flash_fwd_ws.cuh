@@ -20,9 +20,24 @@ struct alignas(128) WsParams {
     int* next_item;  // the tile scheduler's counter, zero at launch (16-bit kernels); null: the stride
 };
 
+// A shared-memory matrix descriptor `bytes` further on: its start address (bits 0-13, in 16-byte
+// units) advanced, the offsets and the swizzle kept. Shared memory ends below 256 KiB, so the
+// field does not carry into the next. (As flash_bwd.cuh's; the two programs do not share it.)
+__device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(d));
+    lo += bytes >> 4;
+    u64 r;
+    asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(lo), "r"(hi));
+    return r;
+}
+
 // The products of the warp-specialised kernel, by input type: e4m3 (FlashFwdFp8Sm90's: V read
 // transposed from the Vᵀ planes, P as 8-bit A operands of 32 keys) or 16-bit (FlashFwdSm90's: V
-// read as stored, transposed by the instruction, P as A operands of 16 keys).
+// read as stored, transposed by the instruction, P as A operands of 16 keys). The operands are
+// buffers' shared-memory addresses (u32: the descriptors built from them every k-step), or for
+// the 16-bit products also descriptors of a buffer's start (u64: `qk_desc`, `v_desc`), advanced per
+// k-step by `desc_plus` (FlashFwdWs::DESC_PLUS).
 template <int D, int BC, bool E4M3, bool BF16>
 struct WsProducts;
 template <int D, int BC, bool BF16>
@@ -47,6 +62,38 @@ struct WsProducts<D, BC, false, BF16> {
     }
     static __device__ __forceinline__ void issue_pv(FragC (&o)[1][D / 8], FragA (&pa)[PA], u32 sV) {
         M::issue_pv(o, pa, sV);
+    }
+    // Q and K tiles: K-major, 128-byte rows. V: MN-major (transposed by the instruction), 64
+    // columns a block, the blocks BC rows of 128 bytes apart.
+    static __device__ __forceinline__ u64 qk_desc(u32 addr) { return gmma_desc(addr, 16, 1024); }
+    static __device__ __forceinline__ u64 v_desc(u32 addr) { return gmma_desc(addr, BC * 128, 1024); }
+    // M::issue_scores and M::issue_pv on descriptors.
+    static __device__ __forceinline__ void issue_scores(FragC (&s)[1][BC / 8], u64 dq, u64 dk) {
+        fence_operands(s[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 q_off = (u32)((kk / 4) * M::BR * 128 + (kk % 4) * 32);
+            const u32 k_off = (u32)((kk / 4) * BC * 128 + (kk % 4) * 32);
+            wgmma_ss<BC>(s[0], desc_plus(dq, q_off), desc_plus(dk, k_off), kk > 0);
+        }
+        wgmma_commit();
+    }
+    static __device__ __forceinline__ void issue_pv(FragC (&o)[1][D / 8], FragA (&pa)[PA], u64 dv) {
+        constexpr int N_HEAD = M::N_HEAD, N_TAIL = M::N_TAIL;
+#pragma unroll
+        for (int kk = 0; kk < PA; ++kk) fence_operands(pa[kk]);
+        fence_operands(o[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < PA; ++kk) {
+            const u32 rows = (u32)(kk * 16 * 128);
+            wgmma_rs<N_HEAD>(*reinterpret_cast<FragC(*)[N_HEAD / 8]>(&o[0][0]), pa[kk], desc_plus(dv, rows));
+            if constexpr (N_TAIL > 0)
+                wgmma_rs<N_TAIL>(*reinterpret_cast<FragC(*)[N_TAIL / 8]>(&o[0][N_HEAD / 8]), pa[kk],
+                                 desc_plus(dv, rows + (u32)(N_HEAD / 64 * BC * 128)));
+        }
+        wgmma_commit();
     }
     static __device__ __forceinline__ void pv_done(FragC (&o)[1][D / 8], FragA (&pa)[PA]) { M::pv_done(o, pa); }
     static __device__ __forceinline__ void pack_p(FragA (&pa)[PA], const FragC (&s)[1][BC / 8]) {
@@ -108,6 +155,13 @@ struct FlashFwdWs {
     static constexpr int CONSUMER_REGS = (384 * 168 - 128 * PRODUCER_REGS) / 256;
     static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
     static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the block's registers");
+    // Operands as descriptors built once and advanced (`desc_plus`), kept in uniform registers
+    // (the warp index and each tile's ring count read through shuffles, the latter before the
+    // waits for the tile and the turn): the 16-bit kernel at D = 128 only. There it took the loop's
+    // descriptor work from ~110 instructions a tile, mostly R2UR and integer ones, to uniform
+    // ones, 1.02-1.04x faster; at D = 64 the same code measured 0.91-0.93x from s = 4k and the
+    // FP8 kernel 0.95-0.99x (H100, session 40): they keep descriptors built from addresses.
+    static constexpr bool DESC_PLUS = !E4M3 && D == 128;
     // Named barriers 1 and 2 pass the turn to issue products between the consumer warpgroups.
     static constexpr int BAR_TURN = 1;
 
@@ -225,8 +279,11 @@ struct FlashFwdWs {
         }
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 
-        // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item.
-        const int wg = warp / 4, warp_row = warp * 16;
+        // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item. (DESC_PLUS: the warp
+        // index through a shuffle, so that ptxas knows it is the same in every lane and keeps what
+        // derives from it, the operand descriptors, in uniform registers.)
+        const int uwarp = DESC_PLUS ? __shfl_sync(0xffffffffu, warp, 0) : warp;
+        const int wg = uwarp / 4, warp_row = uwarp * 16;
         // Optional paths of the 16-bit kernels (FA_EXTRAS: dropout, softcap). With softcap the
         // softmax takes tanh(scale · qk / c) (ScoreMod::softcap_log2 without its last multiply),
         // with c · log2 e as its scale: its FMA holds the multiply (c > 0: the row maxima are
@@ -237,8 +294,54 @@ struct FlashFwdWs {
         // Turns: warpgroup 0 issues first; each passes the turn after issuing its products.
         const int my_turn = BAR_TURN + wg, their_turn = BAR_TURN + (1 - wg);
         if (wg == 1) named_arrive(BAR_TURN, CONSUMERS);
-        auto k_at = [&](int it) { return sK + (u32)((it % STAGES) * K_BYTES); };
-        auto v_at = [&](int it) { return sV + (u32)((it % STAGES) * V_BYTES); };
+        // The ring buffers' operands for tile `it`, in steps: `ring` and `*_early` before the waits
+        // for the tile and the turn, `*_late` in the turn. DESC_PLUS: the tile count read through
+        // a shuffle (uniform; its latency passes under the waits), the descriptor (each buffer's
+        // start built once), then nothing; else the tile count, twice, then the buffer's address.
+        const u64 dq0 = [&]() -> u64 {  // this warpgroup's rows of the first Q buffer
+            if constexpr (DESC_PLUS)
+                return Mma::qk_desc(sQ + (u32)(wg * 64 * 128));
+            else
+                return 0;
+        }();
+        const u64 dk0 = [&]() -> u64 {
+            if constexpr (DESC_PLUS)
+                return Mma::qk_desc(sK);
+            else
+                return 0;
+        }();
+        const u64 dv0 = [&]() -> u64 {
+            if constexpr (DESC_PLUS)
+                return Mma::v_desc(sV);
+            else
+                return 0;
+        }();
+        auto ring = [&](int it) { return DESC_PLUS ? __shfl_sync(0xffffffffu, it, 0) : it; };
+        auto k_early = [&](int u) {
+            if constexpr (DESC_PLUS)
+                return desc_plus(dk0, ((u32)u % (u32)STAGES) * (u32)K_BYTES);
+            else
+                return u;
+        };
+        auto v_early = [&](int u) {
+            if constexpr (DESC_PLUS)
+                return desc_plus(dv0, ((u32)u % (u32)STAGES) * (u32)V_BYTES);
+            else
+                return u;
+        };
+        using RingOp = decltype(k_early(0));  // u64 (DESC_PLUS) or int
+        auto k_late = [&](RingOp x) {
+            if constexpr (DESC_PLUS)
+                return x;
+            else
+                return sK + (u32)((x % STAGES) * K_BYTES);
+        };
+        auto v_late = [&](RingOp x) {
+            if constexpr (DESC_PLUS)
+                return x;
+            else
+                return sV + (u32)((x % STAGES) * V_BYTES);
+        };
         auto wait_k = [&](int it) { mbar_wait(bar_k_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1)); };
         auto wait_v = [&](int it) { mbar_wait(bar_v_full + 8 * (it % STAGES), (u32)((it / STAGES) & 1)); };
         auto free_k = [&](int it) {
@@ -274,6 +377,13 @@ struct FlashFwdWs {
                     if (item_index() >= items) break;
                 }
                 const u32 sQb = sQ + (u32)(qb * Q_BYTES), sQw = sQb + (u32)(wg * 64 * 128);
+                // This warpgroup's rows of Q: their address, or (DESC_PLUS) descriptor.
+                const auto q_op = [&]() {
+                    if constexpr (DESC_PLUS)
+                        return desc_plus(dq0, (u32)(qb * Q_BYTES));
+                    else
+                        return sQw;
+                }();
                 FragC o[1][DT];
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
@@ -320,9 +430,10 @@ struct FlashFwdWs {
 
                 // S of tile `it`, issued in this warpgroup's turn, complete; its K buffer freed.
                 auto scores_in_turn = [&](FragC (&s)[1][NT], int it) {
+                    const auto k_op = k_early(ring(it));
                     wait_k(it);
                     named_sync(my_turn, CONSUMERS);
-                    Mma::issue_scores(s, sQw, k_at(it));
+                    Mma::issue_scores(s, q_op, k_late(k_op));
                     named_arrive(their_turn, CONSUMERS);
                     wgmma_wait<0>();
                     fence_operands(s[0]);
@@ -340,8 +451,9 @@ struct FlashFwdWs {
                         float corr[1][2] = {{correction[0], correction[1]}};
                         OnlineSoftmax<1>::rescale(o, corr);
                         pack(pa, s, (n_end - 1 - j) * BC);
+                        const auto v_op = v_early(ring(it));
                         wait_v(it);
-                        Mma::issue_pv(o, pa, v_at(it));
+                        Mma::issue_pv(o, pa, v_late(v_op));
                         wgmma_wait<0>();
                         Mma::pv_done(o, pa);
                         free_v(it);
@@ -361,12 +473,14 @@ struct FlashFwdWs {
                         ++it;
                     }
                     for (int j = 1; j < tiles; ++j, ++it) {
+                        const int u = ring(it);
+                        const auto k_op = k_early(u), v_op = v_early(u - 1);
                         wait_k(it);
                         wait_v(it - 1);
                         FragC s[1][NT];
                         named_sync(my_turn, CONSUMERS);
-                        Mma::issue_scores(s, sQw, k_at(it));
-                        Mma::issue_pv(o, pa, v_at(it - 1));
+                        Mma::issue_scores(s, q_op, k_late(k_op));
+                        Mma::issue_pv(o, pa, v_late(v_op));
                         named_arrive(their_turn, CONSUMERS);
                         wgmma_wait<1>();
                         fence_operands(s[0]);
@@ -380,9 +494,10 @@ struct FlashFwdWs {
                         OnlineSoftmax<1>::rescale(o, corr);
                         pack(pa, s, (n_end - 1 - j) * BC);
                     }
+                    const auto v_op = v_early(ring(it - 1));
                     wait_v(it - 1);
                     named_sync(my_turn, CONSUMERS);
-                    Mma::issue_pv(o, pa, v_at(it - 1));
+                    Mma::issue_pv(o, pa, v_late(v_op));
                     named_arrive(their_turn, CONSUMERS);
                     wgmma_wait<0>();
                     Mma::pv_done(o, pa);
