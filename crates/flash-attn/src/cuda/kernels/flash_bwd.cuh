@@ -223,20 +223,6 @@ __device__ __forceinline__ BlockCoords block_coords(const BwdParams& p) {
     return c;
 }
 
-#if FA_WGMMA
-// The descriptor `d` (gmma_desc) moved `bytes` further on (a multiple of 16): one 32-bit add to
-// its start-address field, the low 14 bits, which cannot carry out (shared addresses < 2^18, and
-// every tile sits below 232 KiB). The split kernels build each operand's descriptor once and
-// advance it so, instead of masking and shifting an address per k-step.
-__device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
-    u32 lo, hi;
-    asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(d));
-    lo += bytes >> 4;
-    u64 r;
-    asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(lo), "r"(hi));
-    return r;
-}
-#endif
 
 // A compile-time bool as a type, to instantiate a generic lambda for each value.
 template <bool B>

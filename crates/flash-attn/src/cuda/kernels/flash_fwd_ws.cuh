@@ -20,18 +20,6 @@ struct alignas(128) WsParams {
     int* next_item;  // the tile scheduler's counter, zero at launch (16-bit kernels); null: the stride
 };
 
-// A shared-memory matrix descriptor `bytes` further on: its start address (bits 0-13, in 16-byte
-// units) advanced, the offsets and the swizzle kept. Shared memory ends below 256 KiB, so the
-// field does not carry into the next. (As flash_bwd.cuh's; the two programs do not share it.)
-__device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
-    u32 lo, hi;
-    asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(d));
-    lo += bytes >> 4;
-    u64 r;
-    asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(lo), "r"(hi));
-    return r;
-}
-
 // The products of the warp-specialised kernel, by input type: e4m3 (FlashFwdFp8Sm90's: V read
 // transposed from the Vᵀ planes, P as 8-bit A operands of 32 keys) or 16-bit (FlashFwdSm90's: V
 // read as stored, transposed by the instruction, P as A operands of 16 keys). The operands are
@@ -159,8 +147,9 @@ struct FlashFwdWs {
     // (the warp index and each tile's ring count read through shuffles, the latter before the
     // waits for the tile and the turn): the 16-bit kernel at D = 128 only. There it took the loop's
     // descriptor work from ~110 instructions a tile, mostly R2UR and integer ones, to uniform
-    // ones, 1.02-1.04x faster; at D = 64 the same code measured 0.91-0.93x from s = 4k and the
-    // FP8 kernel 0.95-0.99x (H100, session 40): they keep descriptors built from addresses.
+    // ones: 1.03-1.04x faster from s = 4k. At D = 64 the same code measured 0.91-0.93x from
+    // s = 4k, the FP8 kernel 0.95-0.99x (H100, session 40): they keep descriptors built from
+    // addresses.
     static constexpr bool DESC_PLUS = !E4M3 && D == 128;
     // Named barriers 1 and 2 pass the turn to issue products between the consumer warpgroups.
     static constexpr int BAR_TURN = 1;
