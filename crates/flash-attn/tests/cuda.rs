@@ -151,7 +151,7 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
                 }
                 let w = Variant::for_problem(&sm90a, dtype, d, e, false).expect("a forward variant");
                 assert!(!w.ws && w.wgmma && w.extras == e, "{}", w.name());
-                let a = Variant::for_problem(&sm80, dtype, d.min(256), e, true);
+                let a = Variant::for_problem(&sm80, dtype, d, e, true);
                 assert!(a.is_none_or(|a| !a.wgmma && !a.ws));
             }
         }

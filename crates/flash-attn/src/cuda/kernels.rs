@@ -216,10 +216,16 @@ impl Variant {
         self.warps * 32 + if self.ws { 128 } else { 0 }
     }
 
+    /// Columns a row of a Hopper kernel's shared-memory tiles takes: whole 64-column (128-byte)
+    /// blocks, so the 96 tile lies as the 128 one does (`DP` in `FlashFwdSm90` and `FlashFwdWs`).
+    fn smem_row(&self) -> usize {
+        self.d.next_multiple_of(64)
+    }
+
     /// Stages of each of the warp-specialised kernel's K and V rings (`STAGES` in `FlashFwdWs`,
     /// which must agree): 4 where a tile takes at most 16 KiB, else 2.
     pub fn ws_stages(&self) -> usize {
-        if self.bc * self.d.next_multiple_of(64) * 2 <= 16384 {
+        if self.bc * self.smem_row() * 2 <= 16384 {
             4
         } else {
             2
@@ -234,12 +240,9 @@ impl Variant {
     pub fn smem_bytes(&self) -> usize {
         if self.ws {
             let stages = self.ws_stages();
-            (2 * self.block_rows() + 2 * stages * self.bc) * self.d.next_multiple_of(64) * 2
-                + 8 * (4 + 4 * stages)
-                + 8
-                + 1024
+            (2 * self.block_rows() + 2 * stages * self.bc) * self.smem_row() * 2 + 8 * (4 + 4 * stages) + 8 + 1024
         } else if self.wgmma {
-            (self.block_rows() + 4 * self.bc) * self.d.next_multiple_of(64) * 2 + 1024
+            (self.block_rows() + 4 * self.bc) * self.smem_row() * 2 + 1024
         } else {
             (self.block_rows() + 2 * self.bc) * self.d * 2
         }
