@@ -902,8 +902,10 @@ fn warp_specialised_dropout_and_softcap_meet_the_contract() {
     let mut rng = Rng::new(0x5eed_0006);
     for dtype in [DType::BF16, DType::F16] {
         for d in cuda::WS_HEAD_DIMS {
-            for extras in cuda::WS_EXTRAS {
-                let variant = Variant::hopper_ws_extras_for(dtype, d, extras).expect("a ws variant");
+            let two = cuda::WS_EXTRAS.map(|x| Variant::hopper_ws_extras_for(dtype, d, x).expect("a ws variant"));
+            // And the three-warpgroup shapes where they exist (d = 64, dropout).
+            for variant in two.into_iter().chain(two.iter().filter_map(Variant::three_groups)) {
+                let extras = variant.extras;
                 for n in 0..5 {
                     let mut c = random_cuda_case(&mut rng);
                     (c.dtype, c.d, c.dv) = (dtype, if n % 2 == 0 { d } else { d - 8 * rng.range(1, 3) }, 0);
@@ -1129,41 +1131,44 @@ fn warp_specialised_forward_meets_the_contract_and_refuses_what_it_lacks() {
     let mut rng = Rng::new(0x5eed_0005);
     for dtype in [DType::BF16, DType::F16] {
         for d in cuda::WS_HEAD_DIMS {
-            let variant = Variant::hopper_ws_for(dtype, d).expect("a ws variant");
-            for n in 0..8 {
+            let two = Variant::hopper_ws_for(dtype, d).expect("a ws variant");
+            // And the three-warpgroup shape where it exists (d = 64).
+            for variant in std::iter::once(two).chain(two.three_groups()) {
+                for n in 0..8 {
+                    let mut c = random_cuda_case(&mut rng);
+                    (c.dtype, c.d, c.dv) = (dtype, if n % 2 == 0 { d } else { d - 8 * rng.range(1, 3) }, 0);
+                    c.dv = c.d;
+                    use_paths(&mut c, ExtraPaths::NONE, n, &mut rng);
+                    c.varlen = false;
+                    let (sq, sk) = if n == 7 { (600, 500) } else { c.seqlens[0] };
+                    c.seqlens = vec![(sq, sk); if n == 7 { 3 } else { c.seqlens.len() }];
+                    if n == 7 {
+                        (c.hq, c.hk) = (16, 8);
+                    }
+                    match dtype {
+                        DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
+                        _ => forward_variant_case::<bf16>(&c, Some(variant)),
+                    }
+                }
+                // Varlen is refused.
                 let mut c = random_cuda_case(&mut rng);
-                (c.dtype, c.d, c.dv) = (dtype, if n % 2 == 0 { d } else { d - 8 * rng.range(1, 3) }, 0);
-                c.dv = c.d;
-                use_paths(&mut c, ExtraPaths::NONE, n, &mut rng);
-                c.varlen = false;
-                let (sq, sk) = if n == 7 { (600, 500) } else { c.seqlens[0] };
-                c.seqlens = vec![(sq, sk); if n == 7 { 3 } else { c.seqlens.len() }];
-                if n == 7 {
-                    (c.hq, c.hk) = (16, 8);
-                }
-                match dtype {
-                    DType::F16 => forward_variant_case::<f16>(&c, Some(variant)),
-                    _ => forward_variant_case::<bf16>(&c, Some(variant)),
-                }
+                (c.dtype, c.d, c.dv, c.varlen) = (dtype, d, d, true);
+                c.seqlens = vec![(37, 50), (20, 64)];
+                use_paths(&mut c, ExtraPaths::NONE, 0, &mut rng);
+                let r = match dtype {
+                    DType::F16 => {
+                        let data = c.data::<f16>();
+                        let [q, k, v] = data.views();
+                        cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ())
+                    }
+                    _ => {
+                        let data = c.data::<bf16>();
+                        let [q, k, v] = data.views();
+                        cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ())
+                    }
+                };
+                assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
             }
-            // Varlen is refused.
-            let mut c = random_cuda_case(&mut rng);
-            (c.dtype, c.d, c.dv, c.varlen) = (dtype, d, d, true);
-            c.seqlens = vec![(37, 50), (20, 64)];
-            use_paths(&mut c, ExtraPaths::NONE, 0, &mut rng);
-            let r = match dtype {
-                DType::F16 => {
-                    let data = c.data::<f16>();
-                    let [q, k, v] = data.views();
-                    cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ())
-                }
-                _ => {
-                    let data = c.data::<bf16>();
-                    let [q, k, v] = data.views();
-                    cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ())
-                }
-            };
-            assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}");
         }
     }
 }

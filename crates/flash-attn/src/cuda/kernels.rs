@@ -273,8 +273,13 @@ impl Variant {
     /// Hopper kernel with every path (docs/cuda-notes.md, "Dropout on 8-bit draws"). (The
     /// warp-specialised kernel with softcap at d = 128 spilled 36 bytes of per-item scalars until
     /// softcap ran on `tanh.approx`, session 38; it is held to zero since.) The budget is there
-    /// so that a change that spills more, or spills anywhere else, fails.
+    /// so that a change that spills more, or spills anywhere else, fails. The warp-specialised
+    /// kernel's three consumer warpgroups (160 registers a thread) spill 28-32 bytes of per-item
+    /// scalars, stored once a launch and read once an item, outside the loop over key tiles.
     pub fn spill_budget(&self) -> u32 {
+        if self.ws && self.warps == 12 {
+            return 32;
+        }
         match (self.wgmma, self.extras.count()) {
             (_, 0) => 0,
             _ if self.d < 128 => 0,
@@ -337,12 +342,23 @@ impl Variant {
     }
 
     /// The warp-specialised Hopper variant for `dtype` and tile width `d` (64, 96 or 128): 128
-    /// query rows (two consumer warpgroups), 128 keys a tile.
+    /// query rows (two consumer warpgroups), 128 keys a tile. At d = 64 there is also a shape of
+    /// three ([`Variant::three_groups`]).
     pub fn hopper_ws_for(dtype: DType, d: usize) -> Option<Variant> {
         if dtype == DType::F32 || !WS_HEAD_DIMS.contains(&d) {
             return None;
         }
         Some(Variant { dtype, d, mt: 1, bc: 128, warps: 8, extras: ExtraPaths::NONE, wgmma: true, ws: true })
+    }
+
+    /// This warp-specialised variant with three consumer warpgroups (192 query rows a block,
+    /// FlashAttention-3's shape at d = 64: the softmax of one runs under the products of two),
+    /// where that shape exists: at d = 64, plain or with dropout (softcap spills in three
+    /// warpgroups' 160 registers a thread). On an H100 it measured 1.03-1.11x the two-warpgroup
+    /// shape on problems without a causal rule from s = 2048, and 0.84-0.96x on causal ones
+    /// ([`Variant::for_problem`] and the launcher choose; docs/cuda-notes.md, session 41).
+    pub fn three_groups(&self) -> Option<Variant> {
+        (self.ws && self.d == 64 && !self.extras.softcap).then_some(Variant { warps: 12, ..*self })
     }
 
     /// The warp-specialised Hopper variant holding the optional paths `extras`, where it has
@@ -462,8 +478,12 @@ impl Variant {
                     if d <= 128 {
                         v.push(Variant { bc: 192 - h.bc, ..h });
                     }
-                    v.extend(Variant::hopper_ws_for(dtype, d));
-                    v.extend(WS_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)));
+                    let ws: Vec<Variant> = Variant::hopper_ws_for(dtype, d)
+                        .into_iter()
+                        .chain(WS_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)))
+                        .collect();
+                    v.extend(&ws);
+                    v.extend(ws.iter().filter_map(Variant::three_groups));
                 }
             }
         }

@@ -245,7 +245,7 @@ impl Device {
         let f = module.load_function(variant.entry()).map_err(|e| driver_error("cuModuleGetFunction", e))?;
         allow_dynamic_smem(&f, variant.smem_bytes())?;
         if variant.ws {
-            check_ws_registers(&f, &variant.name())?;
+            check_ws_registers(&f, &variant.name(), variant.threads())?;
         }
         map.insert(*variant, f.clone());
         Ok(f)
@@ -263,7 +263,7 @@ impl Device {
         let f = launch::Fp8Functions { forward: load(variant.entry())?, transpose_v: load("fp8_transpose_v")? };
         allow_dynamic_smem(&f.forward, variant.smem_bytes())?;
         if variant.ws {
-            check_ws_registers(&f.forward, &variant.name())?;
+            check_ws_registers(&f.forward, &variant.name(), variant.threads())?;
         }
         map.insert(*variant, f.clone());
         Ok(f)
@@ -292,8 +292,8 @@ impl Device {
         };
         allow_dynamic_smem(&f.main, variant.smem_bytes())?;
         if variant.ws {
-            // Its setmaxnreg split assumes 168 registers a thread, as the forward's does.
-            check_ws_registers(&f.main, &variant.name())?;
+            // Its setmaxnreg split assumes 168 registers a thread (384 threads), as the forward's does.
+            check_ws_registers(&f.main, &variant.name(), variant.threads())?;
         }
         map.insert(*variant, f.clone());
         Ok(f)
@@ -379,7 +379,7 @@ impl Device {
         // variant if it asked for one that fits.
         let default = launch::supported(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
-        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, variant.mt, variant.bc)?;
+        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, variant.mt, variant.bc, false)?;
         // The tile width this head dim runs on in the caller's kernel family (the Hopper forward
         // has widths the mma.sync one lacks).
         let width = tile_width(g.d, false, variant.wgmma).unwrap_or(default.d);
@@ -437,7 +437,7 @@ impl Device {
         let (g, o_layout) = forward_geometry(spec, [q, k, v], out, lse.len())?;
         let default = launch::fp8_supported(&g, &self.arch, scales)?;
         let variant = variant.unwrap_or(default);
-        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, 1, variant.bc)?;
+        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, 1, variant.bc, true)?;
         if variant.d != default.d {
             return Err(Error::Unsupported(format!(
                 "variant {} does not fit d = {} (tile width {})",
@@ -620,24 +620,29 @@ impl Device {
     }
 }
 
-/// Lets `f` launch with `bytes` of dynamic shared memory (above the 48 KiB default).
-/// The registers a thread of the warp-specialised kernels starts with: its setmaxnreg split
-/// (`PRODUCER_REGS`, `CONSUMER_REGS` in `flash_fwd_ws.cuh`) hands out exactly 384 · 168, and
-/// the consumers' increase waits for registers the producer returned, so a build with fewer would
-/// hang, not fail.
-const WS_REGISTERS: i32 = 168;
+/// The registers a thread of a warp-specialised kernel of `threads` threads a block starts
+/// with: a multiprocessor's 65536 over the block, in steps of 8 (168 for 384 threads, 128 for
+/// 512). Its setmaxnreg split (`PRODUCER_REGS`, `CONSUMER_REGS` in `flash_fwd_ws.cuh`) hands out
+/// that many, and the consumers' increase waits for registers the producer returned, so a build
+/// with fewer would hang, not fail.
+fn ws_registers(threads: usize) -> i32 {
+    (65536 / threads.max(1) / 8 * 8) as i32
+}
 
-/// Refuses a warp-specialised kernel that ptxas gave other than [`WS_REGISTERS`] registers.
-fn check_ws_registers(f: &CudaFunction, name: &str) -> Result<()> {
+/// Refuses a warp-specialised kernel of `threads` threads a block that ptxas gave other than
+/// [`ws_registers`] registers.
+fn check_ws_registers(f: &CudaFunction, name: &str, threads: usize) -> Result<()> {
     let regs = f.num_regs().map_err(|e| driver_error("cuFuncGetAttribute(registers)", e))?;
-    if regs != WS_REGISTERS {
+    let want = ws_registers(threads);
+    if regs != want {
         return Err(Error::CudaLaunch(format!(
-            "{name} was compiled to {regs} registers a thread; its register split needs {WS_REGISTERS}"
+            "{name} was compiled to {regs} registers a thread; its register split needs {want}"
         )));
     }
     Ok(())
 }
 
+/// Lets `f` launch with `bytes` of dynamic shared memory (above the 48 KiB default).
 fn allow_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
     f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
         .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))

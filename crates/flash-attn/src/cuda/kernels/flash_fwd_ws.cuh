@@ -1,9 +1,10 @@
 // The warp-specialised forward for sm_90a (`flash_fwd_ws`, FA_WS = 1), FlashAttention-3's
 // structure (§3.1): a producer warpgroup moves tiles with TMA (cp.async.bulk.tensor, 128-byte
 // swizzle: the layout wgmma reads; tma.cuh) into rings of K and V buffers with "full" and "empty"
-// mbarriers; it gives up registers (setmaxnreg) to the two consumer warpgroups, which run the
+// mbarriers; it gives up registers (setmaxnreg) to the two (or three) consumer warpgroups, which run the
 // overlapped loop of FlashFwdSm90 without a block-wide barrier per tile and take turns issuing
-// their products (named barriers: ping-pong), so that one's softmax runs under the other's MMAs.
+// their products (named barriers: ping-pong, round the ring of three), so that one's softmax runs under
+// the others' MMAs.
 // For e4m3 inputs (FA_E4M3 = 1: the FP8 forward, with FlashFwdFp8Sm90's products and P packing
 // and V from the Vᵀ planes of flash_fwd_fp8.cuh's transpose) and for bf16/f16 (FA_E4M3 = 0:
 // FlashFwdSm90's products, V as stored).
@@ -26,11 +27,11 @@ struct alignas(128) WsParams {
 // buffers' shared-memory addresses (u32: the descriptors built from them every k-step), or for
 // the 16-bit products also descriptors of a buffer's start (u64: `qk_desc`, `v_desc`), advanced per
 // k-step by `desc_plus` (FlashFwdWs::DESC_PLUS).
-template <int D, int BC, bool E4M3, bool BF16>
+template <int D, int BC, int W, bool E4M3, bool BF16>
 struct WsProducts;
-template <int D, int BC, bool BF16>
-struct WsProducts<D, BC, true, BF16> {
-    using M = FlashFwdFp8Sm90<D, BC, 8>;
+template <int D, int BC, int W, bool BF16>
+struct WsProducts<D, BC, W, true, BF16> {
+    using M = FlashFwdFp8Sm90<D, BC, W>;
     static constexpr int PA = BC / 32;
     static __device__ __forceinline__ void issue_scores(FragC (&s)[1][BC / 8], u32 sQw, u32 sK) {
         M::issue_scores(s, sQw, sK);
@@ -41,9 +42,9 @@ struct WsProducts<D, BC, true, BF16> {
     static __device__ __forceinline__ void pv_done(FragC (&o)[1][D / 8], FragA (&pa)[PA]) { M::pv_done(o, pa); }
     static __device__ __forceinline__ void pack_p(FragA (&pa)[PA], const FragC (&s)[1][BC / 8]) { M::pack_p(pa, s); }
 };
-template <int D, int BC, bool BF16>
-struct WsProducts<D, BC, false, BF16> {
-    using M = FlashFwdSm90<D, BC, 8, BF16>;
+template <int D, int BC, int W, bool BF16>
+struct WsProducts<D, BC, W, false, BF16> {
+    using M = FlashFwdSm90<D, BC, W, BF16>;
     static constexpr int PA = BC / 16;
     static __device__ __forceinline__ void issue_scores(FragC (&s)[1][BC / 8], u32 sQw, u32 sK) {
         M::issue_scores(s, sQw, sK);
@@ -96,15 +97,17 @@ struct WsProducts<D, BC, false, BF16> {
 // landed) and an "empty" one (all eight consumer warps are done with it): K of tile j is freed as
 // soon as S_j completed, V of tile j after P_j·V_j, a tile later. Its column blocks are 128 bytes
 // wide (64 16-bit or 128 8-bit columns), the 128-byte swizzle the products read.
-template <int D, int BC, bool E4M3, bool BF16>
+template <int D, int BC, int W, bool E4M3, bool BF16>
 struct FlashFwdWs {
-    static_assert(FA_WARPS == 8 && FA_MT == 1, "two consumer warpgroups of 64 rows (the launchers check it)");
-    using Mma = WsProducts<D, BC, E4M3, BF16>;
+    static_assert(FA_MT == 1 && (W == 8 || (W == 12 && !E4M3)),
+                  "two consumer warpgroups of 64 rows, or three for 16-bit inputs (the launchers check it)");
+    using Mma = WsProducts<D, BC, W, E4M3, BF16>;
     using Base = FlashFwd<D, 1, BC, 8, true>;  // the masks
     static constexpr int ESIZE = E4M3 ? 1 : 2;  // bytes an element
-    static constexpr int BR = 128;              // two consumer warpgroups of 64 rows
-    static constexpr int CONSUMERS = 256;
-    static constexpr int THREADS = 384;  // + the producer warpgroup
+    static constexpr int GROUPS = W / 4;        // consumer warpgroups, 64 rows each
+    static constexpr int BR = 64 * GROUPS;
+    static constexpr int CONSUMERS = 32 * W;
+    static constexpr int THREADS = CONSUMERS + 128;  // + the producer warpgroup
     static constexpr int NT = BC / 8;
     static constexpr int DT = D / 8;
     static constexpr int PA = Mma::PA;
@@ -134,15 +137,17 @@ struct FlashFwdWs {
     // gridDim.x-th: the 16-bit kernels. (The FP8 kernel keeps the fixed stride: with the
     // scheduler its first build measured slower, not examined yet; docs/cuda-notes.md.)
     static constexpr bool SCHEDULED = !E4M3;
-    // Registers a thread after setmaxnreg. The block holds 384 · 168 (ptxas's count under
-    // __launch_bounds__(384, 1)); the consumers' increase waits for registers the producer gave
-    // back, so the two must add up to no more (or the increase waits forever). The producer's
-    // scheduler loop spills a few bytes in 24, the consumers' loop with softcap at D = 128 32
-    // bytes in 232: a producer's spill (one thread, once an item) is the cheaper.
-    static constexpr int PRODUCER_REGS = SCHEDULED && !(FA_SOFTCAP && D == 128) ? 40 : 24;
-    static constexpr int CONSUMER_REGS = (384 * 168 - 128 * PRODUCER_REGS) / 256;
+    // Registers a thread after setmaxnreg. The block holds THREADS · LAUNCH_REGS (ptxas's count
+    // under __launch_bounds__(THREADS, 1): 168 for 384 threads, 128 for 512); the consumers'
+    // increase waits for registers the producer gave back, so the two must add up to no more (or
+    // the increase waits forever). The producer's scheduler loop spills a few bytes in 24, the
+    // consumers' loop with softcap at D = 128 32 bytes in 232: a producer's spill (one thread,
+    // once an item) is the cheaper. Three consumer warpgroups get 160 each, the producer 32.
+    static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+    static constexpr int PRODUCER_REGS = GROUPS == 3 ? 32 : SCHEDULED && !(FA_SOFTCAP && D == 128) ? 40 : 24;
+    static constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - 128 * PRODUCER_REGS) / CONSUMERS / 8 * 8;
     static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
-    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the block's registers");
+    static_assert(128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS, "the block's registers");
     // Operands as descriptors built once and advanced (`desc_plus`), kept in uniform registers
     // (the warp index and each tile's ring count read through shuffles, the latter before the
     // waits for the tile and the turn): the 16-bit kernel at D = 128 only. There it took the loop's
@@ -151,8 +156,11 @@ struct FlashFwdWs {
     // s = 4k, the FP8 kernel 0.95-0.99x (H100, session 40): they keep descriptors built from
     // addresses.
     static constexpr bool DESC_PLUS = !E4M3 && D == 128;
-    // Named barriers 1 and 2 pass the turn to issue products between the consumer warpgroups.
+    // Named barriers 1 .. GROUPS pass the turn to issue products from one consumer warpgroup to
+    // the next, round the ring: each is taken by the warpgroup whose turn it is and the one before
+    // it (TURN_THREADS).
     static constexpr int BAR_TURN = 1;
+    static constexpr int TURN_THREADS = 256;
 
     // One work item: a block of BR query rows of one (sequence, head) and its key tiles.
     struct Item {
@@ -280,9 +288,10 @@ struct FlashFwdWs {
         const bool capped = FA_SOFTCAP && !E4M3 && p.mod.softcap > 0.f;
         const bool drop = FA_DROPOUT && !E4M3 && p.dropout.enabled;
         const float scale_log2 = capped ? p.mod.cap_log2 : p.scale_log2;
-        // Turns: warpgroup 0 issues first; each passes the turn after issuing its products.
-        const int my_turn = BAR_TURN + wg, their_turn = BAR_TURN + (1 - wg);
-        if (wg == 1) named_arrive(BAR_TURN, CONSUMERS);
+        // Turns: warpgroup 0 issues first; each passes the turn to the next after issuing its
+        // products (the last one's arrival starts the ring).
+        const int my_turn = BAR_TURN + wg, their_turn = BAR_TURN + (wg + 1) % GROUPS;
+        if (wg == GROUPS - 1) named_arrive(BAR_TURN, TURN_THREADS);
         // The ring buffers' operands for tile `it`, in steps: `ring` and `*_early` before the waits
         // for the tile and the turn, `*_late` in the turn. DESC_PLUS: the tile count read through
         // a shuffle (uniform; its latency passes under the waits), the descriptor (each buffer's
@@ -421,9 +430,9 @@ struct FlashFwdWs {
                 auto scores_in_turn = [&](FragC (&s)[1][NT], int it) {
                     const auto k_op = k_early(ring(it));
                     wait_k(it);
-                    named_sync(my_turn, CONSUMERS);
+                    named_sync(my_turn, TURN_THREADS);
                     Mma::issue_scores(s, q_op, k_late(k_op));
-                    named_arrive(their_turn, CONSUMERS);
+                    named_arrive(their_turn, TURN_THREADS);
                     wgmma_wait<0>();
                     fence_operands(s[0]);
                     free_k(it);
@@ -449,8 +458,8 @@ struct FlashFwdWs {
                     }
                     // One more turn, as the overlapped loop takes (its last P·V): every item takes
                     // tiles + 1 turns in both loops.
-                    named_sync(my_turn, CONSUMERS);
-                    named_arrive(their_turn, CONSUMERS);
+                    named_sync(my_turn, TURN_THREADS);
+                    named_arrive(their_turn, TURN_THREADS);
                 } else if (tiles > 0) {
                     FragA pa[PA];
                     {
@@ -467,10 +476,10 @@ struct FlashFwdWs {
                         wait_k(it);
                         wait_v(it - 1);
                         FragC s[1][NT];
-                        named_sync(my_turn, CONSUMERS);
+                        named_sync(my_turn, TURN_THREADS);
                         Mma::issue_scores(s, q_op, k_late(k_op));
                         Mma::issue_pv(o, pa, v_late(v_op));
-                        named_arrive(their_turn, CONSUMERS);
+                        named_arrive(their_turn, TURN_THREADS);
                         wgmma_wait<1>();
                         fence_operands(s[0]);
                         free_k(it);
@@ -485,9 +494,9 @@ struct FlashFwdWs {
                     }
                     const auto v_op = v_early(ring(it - 1));
                     wait_v(it - 1);
-                    named_sync(my_turn, CONSUMERS);
+                    named_sync(my_turn, TURN_THREADS);
                     Mma::issue_pv(o, pa, v_late(v_op));
-                    named_arrive(their_turn, CONSUMERS);
+                    named_arrive(their_turn, TURN_THREADS);
                     wgmma_wait<0>();
                     Mma::pv_done(o, pa);
                     free_v(it - 1);
@@ -552,16 +561,16 @@ struct FlashFwdWs {
             consume(true);
         else
             consume(false);
-        // The turn warpgroup 1 passed last is never taken: absorb it (warpgroup 1 started one
-        // turn ahead).
-        if (wg == 0) named_sync(my_turn, CONSUMERS);
+        // The turn the last warpgroup passed last is never taken: absorb it (it started one turn
+        // ahead).
+        if (wg == 0) named_sync(my_turn, TURN_THREADS);
     }
 };
 
-extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_ws(const __grid_constant__ WsParams p) {
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 + 128, 1) flash_fwd_ws(const __grid_constant__ WsParams p) {
     extern __shared__ __align__(128) char smem[];
     const u32 base = smem_addr(smem);
-    FlashFwdWs<FA_D, FA_BC, FA_E4M3 != 0, FA_BF16 != 0>::run(p, smem + (((base + 1023u) & ~1023u) - base));
+    FlashFwdWs<FA_D, FA_BC, FA_WARPS, FA_E4M3 != 0, FA_BF16 != 0>::run(p, smem + (((base + 1023u) & ~1023u) - base));
 }
 
 #endif  // !FA_FWD_ENTRY && FA_WGMMA && FA_WS
