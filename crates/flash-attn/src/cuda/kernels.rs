@@ -144,9 +144,9 @@ pub struct Variant {
     pub wgmma: bool,
     /// Whether this is the warp-specialised Hopper kernel (`flash_fwd_ws` in
     /// `flash_fwd_ws.cuh`: a TMA producer warpgroup, K and V rings of mbarrier-guarded stages,
-    /// two consumer warpgroups taking turns at the tensor cores, a persistent grid; `warps`
-    /// counts the consumers). Fixed-length batches, with no optional path or one of
-    /// [`WS_EXTRAS`].
+    /// two consumer warpgroups (three at d = 64: [`Variant::three_groups`]) taking turns at the
+    /// tensor cores, a persistent grid; `warps` counts the consumers). Fixed-length batches,
+    /// with no optional path or one of [`WS_EXTRAS`].
     pub ws: bool,
 }
 

@@ -449,14 +449,15 @@ fn fp8_scale_log2(g: &Geometry<'_>, scales: crate::Fp8Scales) -> f32 {
 }
 
 /// A caller's kernel variant of the warp-specialised kind must have a shape its kernel is
-/// written for (two consumer warpgroups of 64 rows, or for 16-bit inputs three, 128 keys a tile):
-/// another shape would leave it waiting for a producer or a warpgroup that does not exist.
-pub(crate) fn check_ws_shape(name: &str, ws: bool, warps: usize, mt: usize, bc: usize, fp8: bool) -> Result<()> {
-    let warps_ok = warps == 8 || (warps == 12 && !fp8);
+/// written for (two consumer warpgroups of 64 rows, 128 keys a tile, or three where
+/// `three_ok`: [`Variant::three_groups`]): another shape would leave it waiting for a producer or
+/// a warpgroup that does not exist, or spill.
+pub(crate) fn check_ws_shape(name: &str, ws: bool, warps: usize, mt: usize, bc: usize, three_ok: bool) -> Result<()> {
+    let warps_ok = warps == 8 || (warps == 12 && three_ok);
     if ws && (!warps_ok || mt != 1 || bc != 128) {
-        let groups = if fp8 { "8 consumer warps" } else { "8 or 12 consumer warps" };
         return Err(Error::Unsupported(format!(
-            "variant {name}: the warp-specialised kernel runs {groups}, 16 rows each, 128 keys a tile"
+            "variant {name}: the warp-specialised kernel runs 8 consumer warps (12 at d = 64 without \
+             softcap, 16-bit inputs), 16 rows each, 128 keys a tile"
         )));
     }
     Ok(())
@@ -1336,6 +1337,36 @@ mod tests {
         let spec = plain().dropout(0.1, 1, 0);
         let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
         assert!(!supported(&g, DType::BF16, &Arch("sm_80".into())).expect("a variant").ws);
+    }
+
+    #[test]
+    fn three_consumer_warpgroups_run_long_problems_without_a_causal_rule_at_d_64() {
+        let name = |s: usize, d: usize, spec: AttentionSpec<'_>| {
+            let x = vec![(); s * 2 * d];
+            let t = Tensor::new(&x, &[1, s, 2, d]);
+            let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
+            supported(&g, DType::F16, &Arch("sm_90a".into())).expect("a variant").name()
+        };
+        let plain = AttentionSpec::new;
+        assert!(name(2048, 64, plain()).ends_with("_w12_h_ws"), "{}", name(2048, 64, plain()));
+        assert!(name(4096, 48, plain().dropout(0.1, 1, 0)).ends_with("_w12_h_xd_ws"));
+        // Shorter, causal, windowed, softcap or another width: two.
+        assert!(name(1024, 64, plain()).ends_with("_w8_h_ws"));
+        assert!(name(4096, 64, plain().causal()).ends_with("_w8_h_ws"));
+        assert!(name(4096, 64, plain().window(64, 0)).ends_with("_w8_h_ws"));
+        assert!(name(4096, 64, plain().softcap(30.0)).ends_with("_w8_h_xs_ws"));
+        assert!(name(4096, 128, plain()).ends_with("_w8_h_ws"));
+        // A caller's variant: three warpgroups only where the shape exists.
+        for (d, extras) in [(64, ExtraPaths::NONE), (128, ExtraPaths::NONE), (64, crate::cuda::WS_EXTRAS[1])] {
+            let two = Variant::hopper_ws_extras_for(DType::BF16, d, extras)
+                .or(Variant::hopper_ws_for(DType::BF16, d))
+                .expect("a ws variant");
+            let three = Variant { warps: 12, ..two };
+            let ok = |v: Variant| check_ws_shape(&v.name(), v.ws, v.warps, v.mt, v.bc, v.three_groups() == Some(v));
+            assert!(ok(two).is_ok());
+            assert_eq!(ok(three).is_ok(), d == 64 && !extras.softcap, "{}", three.name());
+            assert!(ok(Variant { warps: 4, ..two }).is_err());
+        }
     }
 
     #[test]

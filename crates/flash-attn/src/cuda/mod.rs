@@ -379,7 +379,8 @@ impl Device {
         // variant if it asked for one that fits.
         let default = launch::supported(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
-        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, variant.mt, variant.bc, false)?;
+        let three_ok = variant.three_groups() == Some(variant);
+        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, variant.mt, variant.bc, three_ok)?;
         // The tile width this head dim runs on in the caller's kernel family (the Hopper forward
         // has widths the mma.sync one lacks).
         let width = tile_width(g.d, false, variant.wgmma).unwrap_or(default.d);
@@ -437,7 +438,7 @@ impl Device {
         let (g, o_layout) = forward_geometry(spec, [q, k, v], out, lse.len())?;
         let default = launch::fp8_supported(&g, &self.arch, scales)?;
         let variant = variant.unwrap_or(default);
-        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, 1, variant.bc, true)?;
+        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, 1, variant.bc, false)?;
         if variant.d != default.d {
             return Err(Error::Unsupported(format!(
                 "variant {} does not fit d = {} (tile width {})",

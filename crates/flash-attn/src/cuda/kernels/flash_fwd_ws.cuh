@@ -1,10 +1,10 @@
 // The warp-specialised forward for sm_90a (`flash_fwd_ws`, FA_WS = 1), FlashAttention-3's
 // structure (§3.1): a producer warpgroup moves tiles with TMA (cp.async.bulk.tensor, 128-byte
 // swizzle: the layout wgmma reads; tma.cuh) into rings of K and V buffers with "full" and "empty"
-// mbarriers; it gives up registers (setmaxnreg) to the two (or three) consumer warpgroups, which run the
-// overlapped loop of FlashFwdSm90 without a block-wide barrier per tile and take turns issuing
-// their products (named barriers: ping-pong, round the ring of three), so that one's softmax runs under
-// the others' MMAs.
+// mbarriers; it gives up registers (setmaxnreg) to the consumer warpgroups (two, or three at
+// d = 64: FA_WARPS 8 or 12), which run the overlapped loop of FlashFwdSm90 without a block-wide
+// barrier per tile and take turns issuing their products (named barriers passed round a ring:
+// ping-pong with two), so that one's softmax runs under the others' MMAs.
 // For e4m3 inputs (FA_E4M3 = 1: the FP8 forward, with FlashFwdFp8Sm90's products and P packing
 // and V from the Vᵀ planes of flash_fwd_fp8.cuh's transpose) and for bf16/f16 (FA_E4M3 = 0:
 // FlashFwdSm90's products, V as stored).
@@ -94,7 +94,7 @@ struct WsProducts<D, BC, W, false, BF16> {
 // The warp-specialised forward (FA_WS), for e4m3 inputs (E4M3; the Vᵀ planes of
 // fp8_transpose_v) or bf16/f16 ones (V as stored). A producer warpgroup moves tiles with TMA into
 // two rings, K and V, of STAGES buffers each, every buffer with a "full" mbarrier (the TMA's bytes
-// landed) and an "empty" one (all eight consumer warps are done with it): K of tile j is freed as
+// landed) and an "empty" one (every consumer warp is done with it): K of tile j is freed as
 // soon as S_j completed, V of tile j after P_j·V_j, a tile later. Its column blocks are 128 bytes
 // wide (64 16-bit or 128 8-bit columns), the 128-byte swizzle the products read.
 template <int D, int BC, int W, bool E4M3, bool BF16>
