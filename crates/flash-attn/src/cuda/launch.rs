@@ -390,9 +390,8 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     // Three consumer warpgroups where every work item has the same length (no causal rule, no
     // window) and there are enough query rows to fill 192-row blocks: 1.03-1.11x two from s =
     // 2048 on an H100, where causal problems and s = 1024 measured 0.84-0.96x.
-    let uniform_items = g.causal == Causal::None && g.window.is_none();
     Ok(match variant.three_groups() {
-        Some(wide) if uniform_items && g.max_sq >= THREE_GROUPS_MIN_ROWS => wide,
+        Some(wide) if uniform_items(g) && g.max_sq >= THREE_GROUPS_MIN_ROWS => wide,
         _ => variant,
     })
 }
@@ -400,6 +399,12 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
 /// Query rows from which a problem without a causal rule or window runs on the warp-specialised
 /// forward's three consumer warpgroups ([`Variant::three_groups`]).
 const THREE_GROUPS_MIN_ROWS: usize = 2048;
+
+/// Whether every query block of a (sequence, head) has the same keys to visit: no causal rule and
+/// no window, so the warp-specialised forward's work items are of one length.
+fn uniform_items(g: &Geometry<'_>) -> bool {
+    g.causal == Causal::None && g.window.is_none()
+}
 
 /// Whether the FP8 forward kernel can run this problem (any GPU): what it leaves out is a typed
 /// error, said before a device is opened.
@@ -921,8 +926,7 @@ fn forward_ws<T: CudaElement>(
     // The tile scheduler where items differ in length (a causal rule or a window); items of one
     // length go by the stride (no counter), whose loop measured faster at d 64 (the kernel's
     // `consume`).
-    let uniform_items = g.causal == Causal::None && g.window.is_none();
-    let mut counter = if uniform_items { None } else { Some(scheduler_counter(stream)?) };
+    let mut counter = if uniform_items(g) { None } else { Some(scheduler_counter(stream)?) };
     let (counter_ptr, _counter_sync) = match counter.as_mut() {
         Some(c) => {
             let (ptr, sync) = c.device_ptr_mut(stream);
