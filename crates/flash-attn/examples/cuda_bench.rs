@@ -294,10 +294,11 @@ fn sanitize_variants(rng: &mut Rng, arch: &Arch, pattern: &str) -> Result<()> {
         (c.dtype, c.d, c.dv, c.varlen, c.causal) = (variant.dtype, variant.d, variant.d, true, Causal::BottomRight);
         c.seqlens = vec![(37, 150), (130, 61), (0, 5)];
         if variant.ws {
-            // Fixed-length batches only: 4 x 300 queries of 16 heads, 192 work items, more than
-            // one a block on up to 191 multiprocessors (the tile scheduler hands out the rest).
+            // Fixed-length batches only: 4 x 600 queries of 16 heads, 320 work items of 128 rows
+            // (256 of 192), more than one a block on up to 255 multiprocessors (the tile scheduler
+            // hands out the rest): a block runs items back to back.
             c.varlen = false;
-            c.seqlens = vec![(300, 257); 4];
+            c.seqlens = vec![(600, 257); 4];
             (c.hq, c.hk) = (16, 4);
         }
         use_paths(&mut c, variant.extras);

@@ -160,6 +160,12 @@ struct FlashFwdWs {
     // the next, round the ring: each is taken by the warpgroup whose turn it is and the one before
     // it (TURN_THREADS).
     static constexpr int BAR_TURN = 1;
+    // Whether an item's first S is issued in the previous item's last turn, beside its last P·V
+    // (the items fused): with three consumer warpgroups only. There it measured 1.05-1.08x faster
+    // at s >= 1k without a causal rule (also at 16k, where an item has 128 tiles: the loop's code
+    // changed with it); with two, 0.84-0.96x, also at 16k, and the same with the next item's Q
+    // issued earlier by the producer (H100, session 42; docs/cuda-notes.md).
+    static constexpr bool FUSE = GROUPS == 3;
     static constexpr int TURN_THREADS = 256;
 
     // One work item: a block of BR query rows of one (sequence, head) and its key tiles.
@@ -359,6 +365,15 @@ struct FlashFwdWs {
         // only where items differ in length.
         auto consume = [&](const bool S) {
             int it = 0;
+            // Whether this item's first tile was issued in the previous item's last turn (with its
+            // last P·V): then its P is in `pa`, its softmax state in row_max and row_sum, and `o`
+            // is zero. Across items, as within one, a turn issues one tile's S with the previous
+            // tile's P·V, so a block's tensor cores do not idle at an item's start (S alone, then
+            // its softmax) and end (P·V alone, then the output's stores).
+            bool primed = false;
+            FragA pa[PA];
+            FragC o[1][DT];
+            float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
             for (int qi = 0, stride_i = (int)blockIdx.x; S || stride_i < items; ++qi, stride_i += (int)gridDim.x) {
                 const int qb = qi & 1;
                 // The item's index: from the scheduler, beside its Q buffer until the buffer goes
@@ -374,20 +389,23 @@ struct FlashFwdWs {
                     mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
                     if (item_index() >= items) break;
                 }
-                const u32 sQb = sQ + (u32)(qb * Q_BYTES), sQw = sQb + (u32)(wg * 64 * 128);
-                // This warpgroup's rows of Q: their address, or (DESC_PLUS) descriptor.
-                const auto q_op = [&]() {
+                const u32 sQb = sQ + (u32)(qb * Q_BYTES);
+                // A Q buffer's rows of this warpgroup: their address, or (DESC_PLUS) descriptor.
+                const auto q_operand = [&](int b) {
                     if constexpr (DESC_PLUS)
-                        return desc_plus(dq0, (u32)(qb * Q_BYTES));
+                        return desc_plus(dq0, (u32)(b * Q_BYTES));
                     else
-                        return sQw;
-                }();
-                FragC o[1][DT];
+                        return sQ + (u32)(b * Q_BYTES) + (u32)(wg * 64 * 128);
+                };
+                const auto q_op = q_operand(qb);
+                if (!primed) {
 #pragma unroll
-                for (int dt = 0; dt < DT; ++dt)
+                    for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
-                float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+                        for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
+                    row_max[0] = row_max[1] = -FA_INF;
+                    row_sum[0] = row_sum[1] = 0.f;
+                }
                 int tiles, n_end, row0, rows_valid, bh;
                 {
                     const Item w = item_at(p, vis, item_index());
@@ -398,9 +416,11 @@ struct FlashFwdWs {
                     bh = w.b * p.hq + w.h;  // dropout's stream
                 }
                 if (!S) mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
-                // Scores of the tile at col0 to probabilities (softcap first, then the mask: a hidden
-                // score must end -inf), with `correction` for O.
-                auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[2]) {
+                // Scores of the tile at col0 of the item at rows r0 .. r0 + valid - 1 to
+                // probabilities (softcap first, then the mask: a hidden score must end -inf), with
+                // `correction` for O; `rmax` and `rsum` the item's softmax state.
+                auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[2], int r0, int valid,
+                                         float (&rmax)[2], float (&rsum)[2]) {
                     if constexpr (FA_SOFTCAP && !E4M3) {
                         if (capped) {
 #pragma unroll
@@ -409,19 +429,19 @@ struct FlashFwdWs {
                                 for (int e = 0; e < 4; ++e) s[0][nt].x[e] = tanh_approx(s[0][nt].x[e] * p.mod.tanh_scale);
                         }
                     }
-                    if (!vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC))
-                        Base::apply_mask(s, vis, nullptr, p.block, row0 + warp_row, col0, lane);
-                    ws_softmax_tile(s, row_max, row_sum, scale_log2, correction);
+                    if (!vis.tile_full(r0, r0 + valid, col0, col0 + BC))
+                        Base::apply_mask(s, vis, nullptr, p.block, r0 + warp_row, col0, lane);
+                    ws_softmax_tile(s, rmax, rsum, scale_log2, correction);
                 };
                 // P of the tile at col0 as A operands of P·V, with dropout's keep mask on (after the
                 // row sums took the undropped P; 1 / (1 - p) is applied to O at the end).
-                auto pack = [&](FragA (&pa)[PA], const FragC (&s)[1][NT], int col0) {
+                auto pack = [&](FragA (&pa)[PA], const FragC (&s)[1][NT], int col0, int r0, int stream) {
                     Mma::pack_p(pa, s);
                     if constexpr (FA_DROPOUT && !E4M3) {
                         if (drop) {
 #pragma unroll
                             for (int kb = 0; kb < BC / 32; ++kb)
-                                Base::drop_block(pa + 2 * kb, p.dropout, (u32)bh, row0 + warp_row, col0 + 32 * kb, lane);
+                                Base::drop_block(pa + 2 * kb, p.dropout, (u32)stream, r0 + warp_row, col0 + 32 * kb, lane);
                         }
                     }
                 };
@@ -438,17 +458,19 @@ struct FlashFwdWs {
                     free_k(it);
                 };
 
+                // The next item's softmax state, when its first tile ran in this item's last turn.
+                bool next_primed = false;
+                float next_max[2] = {-FA_INF, -FA_INF}, next_sum[2] = {0.f, 0.f};
                 if (tiles > 0 && !OVERLAP) {
                     // S, then P·V, one after the other (S issued in this warpgroup's turn).
-                    FragA pa[PA];
                     for (int j = 0; j < tiles; ++j, ++it) {
                         FragC s[1][NT];
                         scores_in_turn(s, it);
                         float correction[2];
-                        probabilities(s, (n_end - 1 - j) * BC, correction);
+                        probabilities(s, (n_end - 1 - j) * BC, correction, row0, rows_valid, row_max, row_sum);
                         float corr[1][2] = {{correction[0], correction[1]}};
                         OnlineSoftmax<1>::rescale(o, corr);
-                        pack(pa, s, (n_end - 1 - j) * BC);
+                        pack(pa, s, (n_end - 1 - j) * BC, row0, bh);
                         const auto v_op = v_early(ring(it));
                         wait_v(it);
                         Mma::issue_pv(o, pa, v_late(v_op));
@@ -461,13 +483,12 @@ struct FlashFwdWs {
                     named_sync(my_turn, TURN_THREADS);
                     named_arrive(their_turn, TURN_THREADS);
                 } else if (tiles > 0) {
-                    FragA pa[PA];
-                    {
+                    if (!primed) {
                         FragC s[1][NT];
                         scores_in_turn(s, it);
                         float correction[2];
-                        probabilities(s, (n_end - 1) * BC, correction);
-                        pack(pa, s, (n_end - 1) * BC);
+                        probabilities(s, (n_end - 1) * BC, correction, row0, rows_valid, row_max, row_sum);
+                        pack(pa, s, (n_end - 1) * BC, row0, bh);
                         ++it;
                     }
                     for (int j = 1; j < tiles; ++j, ++it) {
@@ -484,22 +505,58 @@ struct FlashFwdWs {
                         fence_operands(s[0]);
                         free_k(it);
                         float correction[2];
-                        probabilities(s, (n_end - 1 - j) * BC, correction);
+                        probabilities(s, (n_end - 1 - j) * BC, correction, row0, rows_valid, row_max, row_sum);
                         wgmma_wait<0>();
                         Mma::pv_done(o, pa);
                         free_v(it - 1);
                         float corr[1][2] = {{correction[0], correction[1]}};
                         OnlineSoftmax<1>::rescale(o, corr);
-                        pack(pa, s, (n_end - 1 - j) * BC);
+                        pack(pa, s, (n_end - 1 - j) * BC, row0, bh);
+                    }
+                    // The next item, if any, and whether it sees a key tile: its Q is loaded while
+                    // this item runs (two Q buffers), so its wait is usually already over.
+                    const int nb = qb ^ 1;
+                    int next = !FUSE ? items : S ? items : stride_i + (int)gridDim.x;
+                    if (FUSE && S) {
+                        mbar_wait(bar_q_full + 8 * nb, (u32)(((qi + 1) / 2) & 1));
+                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(next) : "r"(item_of_q + 4 * nb) : "memory");
+                    }
+                    Item nx{};
+                    if (FUSE && next < items) {
+                        nx = item_at(p, vis, next);
+                        if (!S) mbar_wait(bar_q_full + 8 * nb, (u32)(((qi + 1) / 2) & 1));
                     }
                     const auto v_op = v_early(ring(it - 1));
-                    wait_v(it - 1);
-                    named_sync(my_turn, TURN_THREADS);
-                    Mma::issue_pv(o, pa, v_late(v_op));
-                    named_arrive(their_turn, TURN_THREADS);
-                    wgmma_wait<0>();
-                    Mma::pv_done(o, pa);
-                    free_v(it - 1);
+                    if (FUSE && next < items && nx.tiles > 0) {
+                        // This item's last P·V with the next item's first S, in one turn.
+                        const auto k_op = k_early(ring(it));
+                        wait_k(it);
+                        wait_v(it - 1);
+                        FragC s[1][NT];
+                        named_sync(my_turn, TURN_THREADS);
+                        Mma::issue_scores(s, q_operand(nb), k_late(k_op));
+                        Mma::issue_pv(o, pa, v_late(v_op));
+                        named_arrive(their_turn, TURN_THREADS);
+                        wgmma_wait<1>();
+                        fence_operands(s[0]);
+                        free_k(it);
+                        float correction[2];  // (O of the next item starts at zero)
+                        probabilities(s, (nx.n_end - 1) * BC, correction, nx.row0, nx.rows_valid, next_max, next_sum);
+                        wgmma_wait<0>();
+                        Mma::pv_done(o, pa);
+                        free_v(it - 1);
+                        pack(pa, s, (nx.n_end - 1) * BC, nx.row0, nx.b * p.hq + nx.h);
+                        ++it;
+                        next_primed = true;
+                    } else {
+                        wait_v(it - 1);
+                        named_sync(my_turn, TURN_THREADS);
+                        Mma::issue_pv(o, pa, v_late(v_op));
+                        named_arrive(their_turn, TURN_THREADS);
+                        wgmma_wait<0>();
+                        Mma::pv_done(o, pa);
+                        free_v(it - 1);
+                    }
                 }
 
                 // Normalise (v_descale with 1 / rowsum); each warp then writes its own 16 rows through
@@ -554,6 +611,17 @@ struct FlashFwdWs {
                 fence_proxy_async();
                 __syncwarp();
                 if (lane == 0) mbar_arrive(bar_q_empty + 8 * qb);
+                primed = next_primed;
+                if (primed) {
+#pragma unroll
+                    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) o[0][dt].x[e] = 0.f;
+                    row_max[0] = next_max[0];
+                    row_max[1] = next_max[1];
+                    row_sum[0] = next_sum[0];
+                    row_sum[1] = next_sum[1];
+                }
             }
         };
         // Two call sites, each with its constant (the lambda is inlined at each).
