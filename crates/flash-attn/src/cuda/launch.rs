@@ -387,11 +387,18 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     let ws_ok = !g.varlen && g.max_sk > 0 && g.scale > 0.0;
     let variant = Variant::for_problem(arch, dtype, width, needs_extras(g), ws_ok)
         .ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))?;
-    // Three consumer warpgroups where every work item has the same length (no causal rule, no
-    // window) and there are enough query rows to fill 192-row blocks: 1.03-1.11x two from s =
-    // 2048 on an H100, where causal problems and s = 1024 measured 0.84-0.96x.
+    // Three consumer warpgroups where there are enough query rows to fill 192-row blocks: where
+    // every work item has the same length (no causal rule, no window) from s = 2048 (1.03-1.11x
+    // two on an H100, session 41; 1.05-1.08x more with items fused, session 42), and under a
+    // causal rule without a window or optional path from s = 8192 (1.05-1.10x; 0.97x at 2048,
+    // 1.02x at 4096: the 192-row blocks' diagonal tiles hide more of their scores).
+    let three = if uniform_items(g) {
+        g.max_sq >= THREE_GROUPS_MIN_ROWS
+    } else {
+        g.window.is_none() && variant.extras == ExtraPaths::NONE && g.max_sq >= THREE_GROUPS_CAUSAL_MIN_ROWS
+    };
     Ok(match variant.three_groups() {
-        Some(wide) if uniform_items(g) && g.max_sq >= THREE_GROUPS_MIN_ROWS => wide,
+        Some(wide) if three => wide,
         _ => variant,
     })
 }
@@ -399,6 +406,10 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
 /// Query rows from which a problem without a causal rule or window runs on the warp-specialised
 /// forward's three consumer warpgroups ([`Variant::three_groups`]).
 const THREE_GROUPS_MIN_ROWS: usize = 2048;
+
+/// Query rows from which a causal problem without a window or optional path runs on the
+/// warp-specialised forward's three consumer warpgroups.
+const THREE_GROUPS_CAUSAL_MIN_ROWS: usize = 8192;
 
 /// Whether every query block of a (sequence, head) has the same keys to visit: no causal rule and
 /// no window, so the warp-specialised forward's work items are of one length.
@@ -1344,7 +1355,7 @@ mod tests {
     }
 
     #[test]
-    fn three_consumer_warpgroups_run_long_problems_without_a_causal_rule_at_d_64() {
+    fn three_consumer_warpgroups_run_long_problems_at_d_64() {
         let name = |s: usize, d: usize, spec: AttentionSpec<'_>| {
             let x = vec![(); s * 2 * d];
             let t = Tensor::new(&x, &[1, s, 2, d]);
@@ -1357,6 +1368,10 @@ mod tests {
         // Shorter, causal, windowed, softcap or another width: two.
         assert!(name(1024, 64, plain()).ends_with("_w8_h_ws"));
         assert!(name(4096, 64, plain().causal()).ends_with("_w8_h_ws"));
+        // Causal from 8192 rows, without a window or optional path.
+        assert!(name(8192, 64, plain().causal()).ends_with("_w12_h_ws"));
+        assert!(name(8192, 64, plain().causal().window(64, 0)).ends_with("_w8_h_ws"));
+        assert!(name(8192, 64, plain().causal().dropout(0.1, 1, 0)).ends_with("_w8_h_xd_ws"));
         assert!(name(4096, 64, plain().window(64, 0)).ends_with("_w8_h_ws"));
         assert!(name(4096, 64, plain().softcap(30.0)).ends_with("_w8_h_xs_ws"));
         assert!(name(4096, 128, plain()).ends_with("_w8_h_ws"));
