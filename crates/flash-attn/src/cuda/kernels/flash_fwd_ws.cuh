@@ -528,7 +528,10 @@ struct FlashFwdWs {
                     }
                     const auto v_op = v_early(ring(it - 1));
                     if (FUSE && next < items && nx.tiles > 0) {
-                        // This item's last P·V with the next item's first S, in one turn.
+                        // This item's last P·V with the next item's first S, in one turn: the loop's
+                        // turn above but for the rescale (the next item's O starts at zero). (One
+                        // lambda for both turns changed the three-group kernel's machine code
+                        // throughout, nvdisasm; the measured code is this one.)
                         const auto k_op = k_early(ring(it));
                         wait_k(it);
                         wait_v(it - 1);
