@@ -1365,7 +1365,7 @@ mod tests {
         let plain = AttentionSpec::new;
         assert!(name(2048, 64, plain()).ends_with("_w12_h_ws"), "{}", name(2048, 64, plain()));
         assert!(name(4096, 48, plain().dropout(0.1, 1, 0)).ends_with("_w12_h_xd_ws"));
-        // Shorter, causal, windowed, softcap or another width: two.
+        // Shorter, causal below 8192 rows, windowed, softcap or another width: two.
         assert!(name(1024, 64, plain()).ends_with("_w8_h_ws"));
         assert!(name(4096, 64, plain().causal()).ends_with("_w8_h_ws"));
         // Causal from 8192 rows, without a window or optional path.
