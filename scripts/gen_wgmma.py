@@ -69,6 +69,20 @@ __device__ __forceinline__ u64 gmma_desc(u32 addr, u32 lbo, u32 sbo) {
     d |= (u64)1 << 62;
     return d;
 }
+
+// The descriptor `d` (gmma_desc) moved `bytes` further on (a multiple of 16): one 32-bit add to
+// its start-address field, the low 14 bits, which cannot carry out (shared addresses < 2^18, and
+// every tile sits below 232 KiB). Kernels that build an operand's descriptor once advance it so,
+// instead of masking and shifting an address per k-step (the backward's split and
+// warp-specialised kernels, the warp-specialised forward at d 128).
+__device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;\\n" : "=r"(lo), "=r"(hi) : "l"(d));
+    lo += bytes >> 4;
+    u64 r;
+    asm("mov.b64 %0, {%1, %2};\\n" : "=l"(r) : "r"(lo), "r"(hi));
+    return r;
+}
 """
 
 FOOTER = """

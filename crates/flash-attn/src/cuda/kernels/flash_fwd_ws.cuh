@@ -148,14 +148,19 @@ struct FlashFwdWs {
     static constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - 128 * PRODUCER_REGS) / CONSUMERS / 8 * 8;
     static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
     static_assert(128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS, "the block's registers");
-    // Operands as descriptors built once and advanced (`desc_plus`), kept in uniform registers
-    // (the warp index and each tile's ring count read through shuffles, the latter before the
-    // waits for the tile and the turn): the 16-bit kernel at D = 128 only. There it took the loop's
-    // descriptor work from ~110 instructions a tile, mostly R2UR and integer ones, to uniform
-    // ones: 1.03-1.04x faster from s = 4k. At D = 64 the same code measured 0.91-0.93x from
-    // s = 4k, the FP8 kernel 0.95-0.99x (H100, session 40): they keep descriptors built from
-    // addresses.
-    static constexpr bool DESC_PLUS = !E4M3 && D == 128;
+    // Operands as descriptors built once and advanced (`desc_plus`: one add a k-step where a
+    // descriptor built from an address takes four), and (UNIFORM) kept in uniform registers (the
+    // warp index and each tile's ring count read through shuffles, the latter before the waits
+    // for the tile and the turn). Both at D = 128: there they took the loop's descriptor work
+    // from ~110 instructions a tile, mostly R2UR and integer ones, to uniform ones, 1.03-1.04x
+    // faster from s = 4k; at D = 64 the same code measured 0.91-0.93x from s = 4k, the FP8 kernel
+    // 0.95-0.99x (H100, session 40). Descriptors advanced without the shuffles, at D = 64
+    // (session 43): with softcap or dropout on two consumer warpgroups 1.02-1.05x (softcap) and
+    // 1.02-1.18x (dropout) faster; plain, 0.92-0.96x on two and 0.98-1.06x on three, and with
+    // dropout on three it spills 68 bytes: those keep descriptors built from addresses.
+    static constexpr bool DESC_PLUS = !E4M3 && (D == 128 || (D == 64 && GROUPS == 2 && (FA_SOFTCAP || FA_DROPOUT)));
+    // Whether the warp index and the ring counts go through shuffles (uniform registers) too.
+    static constexpr bool UNIFORM = DESC_PLUS && D == 128;
     // Named barriers 1 .. GROUPS pass the turn to issue products from one consumer warpgroup to
     // the next, round the ring: each is taken by the warpgroup whose turn it is and the one before
     // it (TURN_THREADS).
@@ -285,7 +290,7 @@ struct FlashFwdWs {
         // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item. (DESC_PLUS: the warp
         // index through a shuffle, so that ptxas knows it is the same in every lane and keeps what
         // derives from it, the operand descriptors, in uniform registers.)
-        const int uwarp = DESC_PLUS ? __shfl_sync(0xffffffffu, warp, 0) : warp;
+        const int uwarp = UNIFORM ? __shfl_sync(0xffffffffu, warp, 0) : warp;
         const int wg = uwarp / 4, warp_row = uwarp * 16;
         // Optional paths of the 16-bit kernels (FA_EXTRAS: dropout, softcap). With softcap the
         // softmax takes tanh(scale · qk / c) (ScoreMod::softcap_log2 without its last multiply),
@@ -320,7 +325,7 @@ struct FlashFwdWs {
             else
                 return 0;
         }();
-        auto ring = [&](int it) { return DESC_PLUS ? __shfl_sync(0xffffffffu, it, 0) : it; };
+        auto ring = [&](int it) { return UNIFORM ? __shfl_sync(0xffffffffu, it, 0) : it; };
         auto k_early = [&](int u) {
             if constexpr (DESC_PLUS)
                 return desc_plus(dk0, ((u32)u % (u32)STAGES) * (u32)K_BYTES);
