@@ -388,12 +388,15 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     let variant = Variant::for_problem(arch, dtype, width, needs_extras(g), ws_ok)
         .ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))?;
     // Three consumer warpgroups where there are enough query rows to fill 192-row blocks: where
-    // every work item has the same length (no causal rule, no window) from s = 2048 (1.03-1.11x
-    // two on an H100, session 41; 1.05-1.08x more with items fused, session 42), and under a
-    // causal rule without a window or optional path from s = 8192 (1.05-1.10x; 0.97x at 2048,
-    // 1.02x at 4096: the 192-row blocks' diagonal tiles hide more of their scores).
+    // every work item has the same length (no causal rule, no window) from s = 1536 (1.10-1.14x
+    // two at 1536, level at 512 and 1024, session 43; 1.03-1.11x from 2048, session 41, and
+    // 1.05-1.08x more with items fused, session 42; with dropout, measured from 2048 only), and
+    // under a causal rule without a window or optional path from s = 8192 (1.05-1.10x; 0.97x at
+    // 2048, 1.02x at 4096: the 192-row blocks' diagonal tiles hide more of their scores).
     let three = if uniform_items(g) {
-        g.max_sq >= THREE_GROUPS_MIN_ROWS
+        let min_rows =
+            if variant.extras == ExtraPaths::NONE { THREE_GROUPS_MIN_ROWS } else { THREE_GROUPS_DROPOUT_MIN_ROWS };
+        g.max_sq >= min_rows
     } else {
         g.window.is_none() && variant.extras == ExtraPaths::NONE && g.max_sq >= THREE_GROUPS_CAUSAL_MIN_ROWS
     };
@@ -403,9 +406,12 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     })
 }
 
-/// Query rows from which a problem without a causal rule or window runs on the warp-specialised
-/// forward's three consumer warpgroups ([`Variant::three_groups`]).
-const THREE_GROUPS_MIN_ROWS: usize = 2048;
+/// Query rows from which a problem without a causal rule, window or optional path runs on the
+/// warp-specialised forward's three consumer warpgroups ([`Variant::three_groups`]).
+const THREE_GROUPS_MIN_ROWS: usize = 1536;
+
+/// The same with dropout (the one optional path that has the three-warpgroup shape).
+const THREE_GROUPS_DROPOUT_MIN_ROWS: usize = 2048;
 
 /// Query rows from which a causal problem without a window or optional path runs on the
 /// warp-specialised forward's three consumer warpgroups.
@@ -1364,9 +1370,14 @@ mod tests {
         };
         let plain = AttentionSpec::new;
         assert!(name(2048, 64, plain()).ends_with("_w12_h_ws"), "{}", name(2048, 64, plain()));
+        assert!(name(1536, 64, plain()).ends_with("_w12_h_ws"), "{}", name(1536, 64, plain()));
         assert!(name(4096, 48, plain().dropout(0.1, 1, 0)).ends_with("_w12_h_xd_ws"));
-        // Shorter, causal below 8192 rows, windowed, softcap or another width: two.
+        assert!(name(2048, 64, plain().dropout(0.1, 1, 0)).ends_with("_w12_h_xd_ws"));
+        // Shorter, dropout below 2048 rows, causal below 8192 rows, windowed, softcap or another
+        // width: two.
         assert!(name(1024, 64, plain()).ends_with("_w8_h_ws"));
+        assert!(name(1535, 64, plain()).ends_with("_w8_h_ws"));
+        assert!(name(1536, 64, plain().dropout(0.1, 1, 0)).ends_with("_w8_h_xd_ws"));
         assert!(name(4096, 64, plain().causal()).ends_with("_w8_h_ws"));
         // Causal from 8192 rows, without a window or optional path.
         assert!(name(8192, 64, plain().causal()).ends_with("_w12_h_ws"));
