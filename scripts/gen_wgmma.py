@@ -74,7 +74,7 @@ __device__ __forceinline__ u64 gmma_desc(u32 addr, u32 lbo, u32 sbo) {
 // its start-address field, the low 14 bits, which cannot carry out (shared addresses < 2^18, and
 // every tile sits below 232 KiB). Kernels that build an operand's descriptor once advance it so,
 // instead of masking and shifting an address per k-step (the backward's split and
-// warp-specialised kernels, the warp-specialised forward at d 128).
+// warp-specialised kernels, the warp-specialised forward: FlashFwdWs::DESC_PLUS).
 __device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
     u32 lo, hi;
     asm("mov.b64 {%0, %1}, %2;\\n" : "=r"(lo), "=r"(hi) : "l"(d));

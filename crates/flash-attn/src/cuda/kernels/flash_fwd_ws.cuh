@@ -155,9 +155,9 @@ struct FlashFwdWs {
     // from ~110 instructions a tile, mostly R2UR and integer ones, to uniform ones, 1.03-1.04x
     // faster from s = 4k; at D = 64 the same code measured 0.91-0.93x from s = 4k, the FP8 kernel
     // 0.95-0.99x (H100, session 40). Descriptors advanced without the shuffles, at D = 64
-    // (session 43): with softcap or dropout on two consumer warpgroups 1.02-1.05x (softcap) and
-    // 1.02-1.18x (dropout) faster; plain, 0.92-0.96x on two and 0.98-1.06x on three, and with
-    // dropout on three it spills 68 bytes: those keep descriptors built from addresses.
+    // (session 43): with softcap or dropout on two consumer warpgroups 0.97-1.04x (1-3% faster
+    // without a causal rule, level under one); plain, 0.92-0.97x on two and 0.98-1.06x on three,
+    // and with dropout on three it spills 68 bytes: those keep descriptors built from addresses.
     static constexpr bool DESC_PLUS = !E4M3 && (D == 128 || (D == 64 && GROUPS == 2 && (FA_SOFTCAP || FA_DROPOUT)));
     // Whether the warp index and the ring counts go through shuffles (uniform registers) too.
     static constexpr bool UNIFORM = DESC_PLUS && D == 128;
@@ -287,7 +287,7 @@ struct FlashFwdWs {
         }
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 
-        // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item. (DESC_PLUS: the warp
+        // Consumers: warpgroup wg owns rows 64·wg .. 64·wg + 63 of each item. (UNIFORM: the warp
         // index through a shuffle, so that ptxas knows it is the same in every lane and keeps what
         // derives from it, the operand descriptors, in uniform registers.)
         const int uwarp = UNIFORM ? __shfl_sync(0xffffffffu, warp, 0) : warp;
