@@ -1048,12 +1048,17 @@ fn fp8_forward_meets_the_fp8_contract_on_random_cases() {
         let naive = reference::naive_fp8(&spec, &tq, &tk, &tv).expect("naive fp8");
         let r = flash_attn::check::report_fp8(&ours.out, &ours.lse, &oracle, &naive);
         assert!(r.passed(), "case {i} ({c}): out {} / lse {}", r.out, r.lse);
-        // The kernel that is not the default (all warps load and compute) on the same case.
-        let other = cuda::Fp8Variant::for_head_dim(c.shape_q[3]).map(|v| cuda::Fp8Variant { ws: !v.ws, ..v });
-        let theirs = cuda::forward_fp8_host_variant(&spec, &q, &k, &v, c.scales(), other)
-            .unwrap_or_else(|e| panic!("case {i} ({c}), {other:?}: {e}"));
-        let r = flash_attn::check::report_fp8(&theirs.out, &theirs.lse, &oracle, &naive);
-        assert!(r.passed(), "case {i} ({c}), {other:?}: out {} / lse {}", r.out, r.lse);
+        // Every kernel on the same case: the warp-specialised one on the fixed stride and on the
+        // tile scheduler (the default takes one of the two by the causal rule), and the one whose
+        // warps all load and compute.
+        let width = cuda::Fp8Variant::for_head_dim(c.shape_q[3]).expect("an FP8 tile width");
+        for (ws, scheduled) in [(true, false), (true, true), (false, false)] {
+            let other = Some(cuda::Fp8Variant { ws, scheduled, ..width });
+            let theirs = cuda::forward_fp8_host_variant(&spec, &q, &k, &v, c.scales(), other)
+                .unwrap_or_else(|e| panic!("case {i} ({c}), {other:?}: {e}"));
+            let r = flash_attn::check::report_fp8(&theirs.out, &theirs.lse, &oracle, &naive);
+            assert!(r.passed(), "case {i} ({c}), {other:?}: out {} / lse {}", r.out, r.lse);
+        }
     }
 }
 
@@ -1118,6 +1123,14 @@ fn fp8_forward_on_more_work_items_than_multiprocessors_meets_the_contract() {
         let naive = reference::naive_fp8(&spec, &fq, &fk, &fv).expect("naive fp8");
         let r = flash_attn::check::report_fp8(&ours.out, &ours.lse, &oracle, &naive);
         assert!(r.passed(), "{c}: out {} / lse {}", r.out, r.lse);
+        // The other warp-specialised build (the default takes the tile scheduler under a causal
+        // rule, the fixed stride without): the same items handed out the other way.
+        let width = cuda::Fp8Variant::for_head_dim(d).expect("an FP8 tile width");
+        let other = Some(cuda::Fp8Variant { scheduled: causal == Causal::None, ..width });
+        let theirs = cuda::forward_fp8_host_variant(&spec, &tq, &tk, &tv, c.scales(), other)
+            .unwrap_or_else(|e| panic!("{c}, {other:?}: {e}"));
+        let r = flash_attn::check::report_fp8(&theirs.out, &theirs.lse, &oracle, &naive);
+        assert!(r.passed(), "{c}, {other:?}: out {} / lse {}", r.out, r.lse);
     }
 }
 

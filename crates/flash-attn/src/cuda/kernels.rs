@@ -788,6 +788,12 @@ pub struct Fp8Variant {
     /// cores, a persistent grid) rather than the one whose warps all load and compute
     /// (`cp.async`, a block-wide barrier per key tile, a block per work item).
     pub ws: bool,
+    /// Whether the warp-specialised kernel's blocks take work items from the tile scheduler (an
+    /// atomic counter; `FA_FP8_SCHED`) and a causal launch orders its heads in L2-sized chunks,
+    /// as the 16-bit kernels do: the default where items differ in length (a causal rule or a
+    /// window). Items of one length keep the fixed stride: the scheduler's code in the kernel
+    /// measured 0.89x at 4k without a causal rule (H100, session 44; docs/cuda-notes.md).
+    pub scheduled: bool,
 }
 
 impl Fp8Variant {
@@ -798,7 +804,7 @@ impl Fp8Variant {
             return None;
         }
         let width = FP8_HEAD_DIMS.iter().copied().find(|&w| w >= d)?;
-        Some(Fp8Variant { d: width, bc: 128, warps: 8, ws: true })
+        Some(Fp8Variant { d: width, bc: 128, warps: 8, ws: true, scheduled: false })
     }
 
     /// Query rows per block (the consumer warps' rows in the warp-specialised kernel).
@@ -839,10 +845,12 @@ impl Fp8Variant {
     }
 
     /// A name that says everything that changes the binary, e.g.
-    /// `flash_fwd_fp8e4m3_d128_n128_w8_h_ws` (`_ws`: warp-specialised).
+    /// `flash_fwd_fp8e4m3_d128_n128_w8_h_ws` (`_ws`: warp-specialised; `_sched`: on the tile
+    /// scheduler).
     pub fn name(&self) -> String {
         let ws = if self.ws { "_ws" } else { "" };
-        format!("flash_fwd_fp8e4m3_d{}_n{}_w{}_h{ws}", self.d, self.bc, self.warps)
+        let sched = if self.ws && self.scheduled { "_sched" } else { "" };
+        format!("flash_fwd_fp8e4m3_d{}_n{}_w{}_h{ws}{sched}", self.d, self.bc, self.warps)
     }
 
     /// The kernel's entry point in its program.
@@ -875,13 +883,15 @@ impl Fp8Variant {
             "-DFA_FWD_ENTRY=0".into(),
             "-DFA_E4M3=1".into(),
             format!("-DFA_WS={}", u8::from(self.ws)),
+            format!("-DFA_FP8_SCHED={}", u8::from(self.ws && self.scheduled)),
         ]
     }
 
     /// Every FP8 variant that is compiled by `compile_all`: each width warp-specialised (the
-    /// default) and not (kept for comparison).
+    /// default), on the tile scheduler (the default for causal and windowed problems), and not
+    /// warp-specialised (kept for comparison).
     pub fn all() -> Vec<Fp8Variant> {
         let ws = FP8_HEAD_DIMS.iter().filter_map(|&d| Fp8Variant::for_head_dim(d));
-        ws.flat_map(|v| [v, Fp8Variant { ws: false, ..v }]).collect()
+        ws.flat_map(|v| [v, Fp8Variant { scheduled: true, ..v }, Fp8Variant { ws: false, ..v }]).collect()
     }
 }

@@ -306,6 +306,9 @@ struct FlashFwdFp8Sm90 {
 #ifndef FA_WS
 #define FA_WS 0  // 1: the warp-specialised kernel (flash_fwd_ws.cuh); 0: FlashFwdFp8Sm90 (e4m3 only)
 #endif
+#ifndef FA_FP8_SCHED
+#define FA_FP8_SCHED 0  // 1: the warp-specialised e4m3 kernel takes items from the tile scheduler
+#endif
 
 #if !FA_WS
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_fwd_fp8(const Fp8FwdParams p) {

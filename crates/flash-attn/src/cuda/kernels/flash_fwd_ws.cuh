@@ -134,9 +134,12 @@ struct FlashFwdWs {
     // probability and output registers at once: at D = 256 the output alone takes 128.
     static constexpr bool OVERLAP = D <= 128;
     // Whether blocks take items from the tile scheduler (an atomic counter) rather than every
-    // gridDim.x-th: the 16-bit kernels. (The FP8 kernel keeps the fixed stride: with the
-    // scheduler its first build measured slower, not examined yet; docs/cuda-notes.md.)
-    static constexpr bool SCHEDULED = !E4M3;
+    // gridDim.x-th: the 16-bit kernels, and the FP8 kernel's FA_FP8_SCHED build, which the
+    // launcher runs where items differ in length (causal: 1.01-1.10x the fixed stride, with the
+    // causal head chunks, at 1k-16k). Built with the scheduler, the FP8 kernel's stride path ran
+    // 0.89x at 4k without a causal rule, so items of one length keep the build without it
+    // (H100, session 44; docs/cuda-notes.md).
+    static constexpr bool SCHEDULED = !E4M3 || FA_FP8_SCHED;
     // Registers a thread after setmaxnreg. The block holds THREADS · LAUNCH_REGS (ptxas's count
     // under __launch_bounds__(THREADS, 1): 168 for 384 threads, 128 for 512); the consumers'
     // increase waits for registers the producer gave back, so the two must add up to no more (or
@@ -144,7 +147,7 @@ struct FlashFwdWs {
     // consumers' loop with softcap at D = 128 32 bytes in 232: a producer's spill (one thread,
     // once an item) is the cheaper. Three consumer warpgroups get 160 each, the producer 32.
     static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
-    static constexpr int PRODUCER_REGS = GROUPS == 3 ? 32 : SCHEDULED && !(FA_SOFTCAP && D == 128) ? 40 : 24;
+    static constexpr int PRODUCER_REGS = GROUPS == 3 ? 32 : SCHEDULED && !(FA_SOFTCAP && D == 128) && !E4M3 ? 40 : 24;
     static constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - 128 * PRODUCER_REGS) / CONSUMERS / 8 * 8;
     static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256, "setmaxnreg's steps");
     static_assert(128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS, "the block's registers");
