@@ -173,6 +173,15 @@ const SHARE_MIN_UNITS: usize = 4;
 /// See [`SHARE_MIN_UNITS`].
 const SHARE_MIN_TILES: usize = 4;
 
+/// Tallest query tile for which `f32` `V` is read in place, not packed, where every work unit is
+/// one query tile of one head (each key tile's `V` is then read once by its unit: packing it
+/// first only adds a copy). Measured on the Xeon (16 threads, session 44, two calls, 6 rounds
+/// each), 1 × 8 heads: 128² (16-row tiles) 1.11-1.28× faster in place, d 64 and 128, causal or
+/// not; 512² (64-row tiles) 1.02× in one call, 0.94× (d 128) and 0.98× (d 64) in the other; 1024²,
+/// d 128 (128 rows) 0.98× and 4 × 12 × 512², d 64 (256 rows) 0.94×: a taller tile's `P·V` walks
+/// `V`'s rows, a page apart in place, once per block of its rows.
+const IN_PLACE_V_MAX_ROWS: usize = 16;
+
 /// Most query rows a sequence may have for its forward to be split over its keys (taller
 /// sequences share their threads by query tiles).
 const SPLIT_MAX_ROWS: usize = 64;
@@ -332,9 +341,7 @@ fn forward_with_cache_budget<T: Element>(
         _ => None,
     };
     let partials = forward::Partials { seqs: splits, o: Sink::new(&mut part_o), lse: Sink::new(&mut part_lse) };
-    // V is packed once per unit unless its rows can be read in place as they are (f32, at the
-    // packed stride).
-    let pack_v = T::as_f32(v.data()).is_none() || g.v.token_stride != blocking::padded_stride(g.dv);
+    let pack_v = packs_v(g, v, tiles, &units);
     // The (sequence, kv head) pairs whose query tiles several units share (not key splits: those
     // see disjoint keys) get their key/value tiles packed once, by whichever unit needs one first.
     let mut units_of = vec![0usize; g.seqs.len() * g.hk];
@@ -374,6 +381,14 @@ fn forward_with_cache_budget<T: Element>(
     let forward::Partials { seqs: splits, .. } = partials;
     merge_splits(g, &splits, &part_o, &part_lse, &out_sink, out_layout, &lse_sink);
     Ok(shared_tiles)
+}
+
+/// Whether the forward packs `V` once per work unit (else the products read its rows in place):
+/// yes unless `V` is `f32` and either its rows lie at the packed stride already or every unit is
+/// one short query tile of one head ([`IN_PLACE_V_MAX_ROWS`]).
+fn packs_v<T: Element>(g: &Geometry<'_>, v: &Tensor<'_, T>, tiles: Tiles, units: &[ForwardUnit]) -> bool {
+    let short_units = tiles.br <= IN_PLACE_V_MAX_ROWS && g.hq == g.hk && units.iter().all(|u| u.tiles.len() == 1);
+    T::as_f32(v.data()).is_none() || (g.v.token_stride != blocking::padded_stride(g.dv) && !short_units)
 }
 
 fn check_head_dims(g: &Geometry<'_>) -> Result<()> {
@@ -641,6 +656,47 @@ mod tests {
                     assert!(packed > 0, "{case}: no key tile was shared on 16 threads");
                     assert!(shared == none, "{case}: shared key/value tiles changed the results");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn f32_v_read_in_place_by_short_units_gives_the_packed_results() {
+        // No GQA, fixed lengths, 16-row query tiles: on 16 threads every work unit is one query
+        // tile of one head, which reads f32 V in place; on one thread a unit holds a head's seven
+        // query tiles and packs V. The bits must not change, and both meet the contract.
+        let tiles = Tiles { br: 16, bc: 16 };
+        let pools = [16, 1].map(|n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("a thread pool"));
+        for isa in Isa::available() {
+            for causal in [Causal::None, Causal::BottomRight, Causal::TopLeft] {
+                let case = Case {
+                    dtype: DType::F32,
+                    hq: 4,
+                    hk: 4,
+                    d: 40,
+                    dv: 24,
+                    seqlens: vec![(100, 150); 2],
+                    varlen: false,
+                    causal,
+                    window: None,
+                    softcap: None,
+                    scale: None,
+                    alibi: None,
+                    block: None,
+                    storage: Storage::Contiguous,
+                    seed: 0x5107,
+                    isa: Some(isa),
+                };
+                let data = case.data::<f32>();
+                let spec = case.spec(&data);
+                let [q, k, v] = data.views();
+                let g = spec.geometry(&q, &k, &v).expect("valid case");
+                let no_splits = vec![(Vec::new(), 0); g.seqs.len()];
+                let packs = [16, 1].map(|n| packs_v(&g, &v, tiles, &forward_units(&g, tiles.br, n, &no_splits)));
+                assert_eq!(packs, [false, true], "{case}: V in place on 16 threads only");
+                let [in_place, packed] =
+                    pools.each_ref().map(|p| p.install(|| run_checked::<f32>(&case, tiles, 1 << 24, true).0));
+                assert!(in_place == packed, "{case}: V read in place changed the results");
             }
         }
     }
