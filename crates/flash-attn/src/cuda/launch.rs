@@ -388,9 +388,10 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     let variant = Variant::for_problem(arch, dtype, width, needs_extras(g), ws_ok)
         .ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))?;
     // Three consumer warpgroups where there are enough query rows to fill 192-row blocks: where
-    // every work item has the same length (no causal rule, no window) from s = 1536 (1.10-1.14x
-    // two at 1536, level at 512 and 1024, session 43; 1.03-1.11x from 2048, session 41, and
-    // 1.05-1.08x more with items fused, session 42; with dropout, measured from 2048 only), and
+    // every work item has the same length (no causal rule, no window) from s = 1152 (1.03-1.13x
+    // two at 1152-1536, session 44; level at 512 and 1024, session 43; 1.03-1.11x from 2048,
+    // session 41, and 1.05-1.08x more with items fused, session 42; with dropout from 1280:
+    // 1.01-1.09x at 1280-2048, session 44), and
     // under a causal rule without a window or optional path from s = 8192 (1.05-1.10x; 0.97x at
     // 2048, 1.02x at 4096: the 192-row blocks' diagonal tiles hide more of their scores).
     let three = if uniform_items(g) {
@@ -407,11 +408,14 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
 }
 
 /// Query rows from which a problem without a causal rule, window or optional path runs on the
-/// warp-specialised forward's three consumer warpgroups ([`Variant::three_groups`]).
-const THREE_GROUPS_MIN_ROWS: usize = 1536;
+/// warp-specialised forward's three consumer warpgroups ([`Variant::three_groups`]). H100, bf16,
+/// d 64, two's time over three's (3 rounds, session 44): 1152 1.13, 1280 1.07, 1408 1.03, 1536
+/// 1.12; at 1024 level (session 43). 1025-1151 not measured: two.
+const THREE_GROUPS_MIN_ROWS: usize = 1152;
 
-/// The same with dropout (the one optional path that has the three-warpgroup shape).
-const THREE_GROUPS_DROPOUT_MIN_ROWS: usize = 2048;
+/// The same with dropout (the one optional path that has the three-warpgroup shape): 1280 1.04,
+/// 1536 1.09, 1792 1.01, 2048 1.06 (session 44); below 1280 not measured.
+const THREE_GROUPS_DROPOUT_MIN_ROWS: usize = 1280;
 
 /// Query rows from which a causal problem without a window or optional path runs on the
 /// warp-specialised forward's three consumer warpgroups.
@@ -1389,13 +1393,15 @@ mod tests {
         let plain = AttentionSpec::new;
         assert!(name(2048, 64, plain()).ends_with("_w12_h_ws"), "{}", name(2048, 64, plain()));
         assert!(name(1536, 64, plain()).ends_with("_w12_h_ws"), "{}", name(1536, 64, plain()));
+        assert!(name(1152, 64, plain()).ends_with("_w12_h_ws"), "{}", name(1152, 64, plain()));
+        assert!(name(1280, 64, plain().dropout(0.1, 1, 0)).ends_with("_w12_h_xd_ws"));
         assert!(name(4096, 48, plain().dropout(0.1, 1, 0)).ends_with("_w12_h_xd_ws"));
         assert!(name(2048, 64, plain().dropout(0.1, 1, 0)).ends_with("_w12_h_xd_ws"));
-        // Shorter, dropout below 2048 rows, causal below 8192 rows, windowed, softcap or another
+        // Shorter, dropout below 1280 rows, causal below 8192 rows, windowed, softcap or another
         // width: two.
         assert!(name(1024, 64, plain()).ends_with("_w8_h_ws"));
-        assert!(name(1535, 64, plain()).ends_with("_w8_h_ws"));
-        assert!(name(1536, 64, plain().dropout(0.1, 1, 0)).ends_with("_w8_h_xd_ws"));
+        assert!(name(1151, 64, plain()).ends_with("_w8_h_ws"));
+        assert!(name(1279, 64, plain().dropout(0.1, 1, 0)).ends_with("_w8_h_xd_ws"));
         assert!(name(4096, 64, plain().causal()).ends_with("_w8_h_ws"));
         // Causal from 8192 rows, without a window or optional path.
         assert!(name(8192, 64, plain().causal()).ends_with("_w12_h_ws"));
