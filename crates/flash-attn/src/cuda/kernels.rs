@@ -357,8 +357,7 @@ impl Variant {
     /// warpgroups' 160 registers a thread). On an H100 it measured 1.03-1.11x the two-warpgroup
     /// shape on problems without a causal rule from s = 2048 (1.10-1.14x at 1536, level at 512 and
     /// 1024, session 43; 1.03-1.13x at 1152-1408, session 44), and 0.84-0.96x on causal ones
-    /// (under 8192 rows; [`Variant::for_problem`] and the
-    /// launcher choose; docs/cuda-notes.md, session 41).
+    /// ([`Variant::for_problem`] and the launcher choose; docs/cuda-notes.md, session 41).
     pub fn three_groups(&self) -> Option<Variant> {
         (self.ws && self.d == 64 && !self.extras.softcap).then_some(Variant { warps: 12, ..*self })
     }
