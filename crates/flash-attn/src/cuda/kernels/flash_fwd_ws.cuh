@@ -145,7 +145,9 @@ struct FlashFwdWs {
     // increase waits for registers the producer gave back, so the two must add up to no more (or
     // the increase waits forever). The producer's scheduler loop spills a few bytes in 24, the
     // consumers' loop with softcap at D = 128 32 bytes in 232: a producer's spill (one thread,
-    // once an item) is the cheaper. Three consumer warpgroups get 160 each, the producer 32.
+    // once an item) is the cheaper. The FP8 kernel's scheduler build keeps 24 and 240 as its
+    // stride build (ptxas: no spill at D = 128 or 256; with 40 the D = 256 build spilled 28
+    // bytes). Three consumer warpgroups get 160 each, the producer 32.
     static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
     static constexpr int PRODUCER_REGS = GROUPS == 3 ? 32 : SCHEDULED && !(FA_SOFTCAP && D == 128) && !E4M3 ? 40 : 24;
     static constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - 128 * PRODUCER_REGS) / CONSUMERS / 8 * 8;
