@@ -218,6 +218,17 @@ fn optional_ptr<'a, T>(buf: Option<&'a CudaSlice<T>>, stream: &'a CudaStream) ->
     }
 }
 
+/// [`optional_ptr`] for a buffer the kernel writes (the tile scheduler's counter).
+fn optional_ptr_mut<'a, T>(buf: Option<&'a mut CudaSlice<T>>, stream: &'a CudaStream) -> (u64, Option<SyncOnDrop<'a>>) {
+    match buf {
+        Some(b) => {
+            let (p, sync) = b.device_ptr_mut(stream);
+            (p, Some(sync))
+        }
+        None => (0, None),
+    }
+}
+
 /// The block-sparse mask's bytes on the device, as the geometry validated them (`None` without).
 fn upload_block_mask(dev: &Device, g: &Geometry<'_>) -> Result<Option<CudaSlice<u8>>> {
     match &g.block {
@@ -848,13 +859,7 @@ pub(crate) fn forward_fp8(
     };
     let params = Fp8FwdParams { base, v_descale: scales.v };
     let mut counter = if scheduled { Some(scheduler_counter(stream)?) } else { None };
-    let (counter_ptr, _counter_sync) = match counter.as_mut() {
-        Some(c) => {
-            let (ptr, sync) = c.device_ptr_mut(stream);
-            (ptr, Some(sync))
-        }
-        None => (0, None),
-    };
+    let (counter_ptr, _counter_sync) = optional_ptr_mut(counter.as_mut(), stream);
     // The persistent kernel: a block a multiprocessor (fewer for fewer items).
     let grid = if variant.persistent() { blocks.min(multiprocessors(dev)?) } else { blocks };
     let cfg = LaunchConfig {
@@ -966,13 +971,7 @@ fn forward_ws<T: CudaElement>(
     // length go by the stride (no counter), whose loop measured faster at d 64 (the kernel's
     // `consume`).
     let mut counter = if uniform_items(g) { None } else { Some(scheduler_counter(stream)?) };
-    let (counter_ptr, _counter_sync) = match counter.as_mut() {
-        Some(c) => {
-            let (ptr, sync) = c.device_ptr_mut(stream);
-            (ptr, Some(sync))
-        }
-        None => (0, None),
-    };
+    let (counter_ptr, _counter_sync) = optional_ptr_mut(counter.as_mut(), stream);
     // TMA boxes: 64 columns (128 bytes, one swizzle row) by the tile's rows.
     let u = |x: usize| x as u64;
     let (rows, bc) = (i32_of("rows", br)? as u32, i32_of("keys a tile", variant.bc)? as u32);
