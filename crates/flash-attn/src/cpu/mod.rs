@@ -670,22 +670,13 @@ mod tests {
         for isa in Isa::available() {
             for causal in [Causal::None, Causal::BottomRight, Causal::TopLeft] {
                 let case = Case {
-                    dtype: DType::F32,
                     hq: 4,
                     hk: 4,
-                    d: 40,
-                    dv: 24,
                     seqlens: vec![(100, 150); 2],
                     varlen: false,
-                    causal,
-                    window: None,
-                    softcap: None,
-                    scale: None,
-                    alibi: None,
-                    block: None,
-                    storage: Storage::Contiguous,
                     seed: 0x5107,
                     isa: Some(isa),
+                    ..gqa_varlen_case(DType::F32, causal, None)
                 };
                 let data = case.data::<f32>();
                 let spec = case.spec(&data);
