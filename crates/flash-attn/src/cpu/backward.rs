@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use super::blocking::{Strides, Tiles};
 use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
+use super::lines::{LineVec, Word, LINE_WORDS};
 use super::pairs::{ds_to_pairs, narrow_row_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::tile::{load_rows, score_tile, transpose_panels, QkOperands, ScoreMod};
 use super::transpose::transpose;
@@ -44,20 +45,20 @@ pub(super) struct Scratch {
     rows: RowSlots<f32>,
     lse: Vec<f32>,
     delta: Vec<f32>,
-    s: Vec<f32>,
-    dp: Vec<f32>,
-    tanh: Vec<f32>,
-    keep: Vec<f32>,
-    p_dropped: Vec<f32>,
-    k: Vec<f32>,
+    s: LineVec<f32>,
+    dp: LineVec<f32>,
+    tanh: LineVec<f32>,
+    keep: LineVec<f32>,
+    p_dropped: LineVec<f32>,
+    k: LineVec<f32>,
     /// `K_jᵀ` in [`BLayout::panels`](super::gemm::BLayout::panels), as `score_tile` takes it (the
     /// other `B` operands stay row-major: in the backward, whose tiles stay in L1 and L2, panels
     /// of them measured level).
-    kt: Vec<f32>,
-    v: Vec<f32>,
-    vt: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
+    kt: LineVec<f32>,
+    v: LineVec<f32>,
+    vt: LineVec<f32>,
+    dk: LineVec<f32>,
+    dv: LineVec<f32>,
     /// The operands as `bf16` pairs, when the products run on them (then `rows`, `k`, `kt`, `v`,
     /// `vt` stay empty).
     pairs: Option<PairTiles>,
@@ -70,14 +71,14 @@ pub(super) struct Scratch {
 /// for `S = Q Kᵀ` and `dP = dO Vᵀ`, along the query rows for `dV += Pᵀ dO` and `dK += dSᵀ Q`,
 /// along the keys for `dQ += dS K`.
 struct PairTiles {
-    kt: Vec<Bf16Pair>,
-    vt: Vec<Bf16Pair>,
-    k_keys: Vec<Bf16Pair>,
+    kt: LineVec<Bf16Pair>,
+    vt: LineVec<Bf16Pair>,
+    k_keys: LineVec<Bf16Pair>,
     /// `Q_i` and `dO_i`, packed once per unit: `[Q | dO | Q row pairs | dO row pairs]`.
     rows: RowSlots<Bf16Pair>,
-    p_rows: Vec<Bf16Pair>,
-    ds_rows: Vec<Bf16Pair>,
-    ds_keys: Vec<Bf16Pair>,
+    p_rows: LineVec<Bf16Pair>,
+    ds_rows: LineVec<Bf16Pair>,
+    ds_keys: LineVec<Bf16Pair>,
 }
 
 /// `Q_i` and `dO_i` of the query tiles of a unit as the products take them, packed the first
@@ -90,7 +91,7 @@ struct PairTiles {
 /// ([`ROW_CACHE_BUDGET`](super::blocking::ROW_CACHE_BUDGET) by default); tiles past it share a
 /// spare slot and are packed per key tile as before.
 struct RowSlots<E> {
-    words: Vec<E>,
+    words: LineVec<E>,
     /// Whether cached slot `i` holds its tile for the current unit.
     filled: Vec<bool>,
     /// Elements per slot, the arrays one after another.
@@ -98,14 +99,16 @@ struct RowSlots<E> {
     offsets: Vec<usize>,
 }
 
-impl<E: Copy + Default> RowSlots<E> {
+impl<E: Word> RowSlots<E> {
     /// Slots of arrays of `lens` elements each for the query tiles of a unit.
     fn new(g: &Geometry<'_>, t: Tiles, lens: &[usize], budget: usize) -> Self {
+        // Each array starts a line.
+        let lens: Vec<usize> = lens.iter().map(|n| n.next_multiple_of(LINE_WORDS)).collect();
         let offsets = lens.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
         let slot_len = lens.iter().sum::<usize>();
         let wanted = (g.hq / g.hk.max(1)) * g.max_sq.div_ceil(t.br.max(1));
         let cached = wanted.min(budget / (std::mem::size_of::<E>() * slot_len).max(1));
-        RowSlots { words: vec![E::default(); (cached + 1) * slot_len], filled: vec![false; cached], slot_len, offsets }
+        RowSlots { words: LineVec::zeroed((cached + 1) * slot_len), filled: vec![false; cached], slot_len, offsets }
     }
 
     /// The slot of tile `index` of the unit (its query head in the unit's group, then its query
@@ -130,35 +133,35 @@ impl<E: Copy + Default> RowSlots<E> {
 impl Scratch {
     pub(super) fn new(g: &Geometry<'_>, t: Tiles, pairs: bool, row_budget: usize) -> Self {
         let (d, dv) = (g.d, g.dv);
-        let f32_tile = |n: usize| if pairs { Vec::new() } else { vec![0.0; n] };
+        let f32_tile = |n: usize| LineVec::zeroed(if pairs { 0 } else { n });
         let (dp, dvp, brp, bcp) = (d.div_ceil(2), dv.div_ceil(2), t.br.div_ceil(2), t.bc.div_ceil(2));
         let ld = Strides::new(d, dv, t.bc, pairs);
         let score = t.br * ld.s;
         let f32_rows = [t.br * ld.d, t.br * ld.dv];
         Self {
             pairs: pairs.then(|| PairTiles {
-                kt: vec![0; dp * t.bc],
-                vt: vec![0; dvp * t.bc],
-                k_keys: vec![0; bcp * d],
+                kt: LineVec::zeroed(dp * t.bc),
+                vt: LineVec::zeroed(dvp * t.bc),
+                k_keys: LineVec::zeroed(bcp * d),
                 rows: RowSlots::new(g, t, &[t.br * dp, t.br * dvp, brp * d, brp * dv], row_budget),
-                p_rows: vec![0; brp * t.bc],
-                ds_rows: vec![0; brp * t.bc],
-                ds_keys: vec![0; t.br * bcp],
+                p_rows: LineVec::zeroed(brp * t.bc),
+                ds_rows: LineVec::zeroed(brp * t.bc),
+                ds_keys: LineVec::zeroed(t.br * bcp),
             }),
             rows: RowSlots::new(g, t, if pairs { &[] } else { &f32_rows }, row_budget),
             lse: vec![0.0; t.br],
             delta: vec![0.0; t.br],
-            s: vec![0.0; score],
-            dp: vec![0.0; score],
-            tanh: if g.softcap.is_some() { vec![0.0; score] } else { Vec::new() },
-            keep: if g.dropout.is_some() { vec![0.0; score] } else { Vec::new() },
-            p_dropped: if g.dropout.is_some() { vec![0.0; score] } else { Vec::new() },
+            s: LineVec::zeroed(score),
+            dp: LineVec::zeroed(score),
+            tanh: LineVec::zeroed(if g.softcap.is_some() { score } else { 0 }),
+            keep: LineVec::zeroed(if g.dropout.is_some() { score } else { 0 }),
+            p_dropped: LineVec::zeroed(if g.dropout.is_some() { score } else { 0 }),
             k: f32_tile(t.bc * ld.d),
             kt: f32_tile(d * t.bc.div_ceil(PANEL_WIDTH) * PANEL_WIDTH),
             v: f32_tile(t.bc * ld.dv),
             vt: f32_tile(dv * ld.s),
-            dk: vec![0.0; t.bc * d],
-            dv: vec![0.0; t.bc * dv],
+            dk: LineVec::zeroed(t.bc * d),
+            dv: LineVec::zeroed(t.bc * dv),
             ld,
         }
     }
@@ -452,6 +455,8 @@ impl<T: Element> Context<'_, T> {
 }
 
 /// The row operands of one backward tile.
+// The pair tiles are moved out of the scratch and back once a tile, never stored here.
+#[allow(clippy::large_enum_variant)]
 enum RowOperands<'a> {
     /// `Q_i` and `dO_i` as `f32` matrices `(data, row stride)`.
     F32 { q: &'a [f32], ldq: usize, dout: &'a [f32], ldo: usize },

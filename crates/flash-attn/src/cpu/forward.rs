@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use super::blocking::{Strides, Tiles};
 use super::gemm::{gemm_acc_skipping_zeros, gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
+use super::lines::{LineVec, Word, LINE_WORDS};
 use super::pairs::{narrow_to_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::softmax::OnlineSoftmax;
 use super::tile::{
@@ -24,12 +25,12 @@ use crate::spec::{Geometry, RowLayout};
 /// current work unit, bounded by a byte budget ([`super::blocking::KV_CACHE_BUDGET`] unless a
 /// test says otherwise).
 pub(super) struct Scratch {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    kt: Vec<f32>,
-    v: Vec<f32>,
-    s: Vec<f32>,
-    o: Vec<f32>,
+    q: LineVec<f32>,
+    k: LineVec<f32>,
+    kt: LineVec<f32>,
+    v: LineVec<f32>,
+    s: LineVec<f32>,
+    o: LineVec<f32>,
     softmax: OnlineSoftmax,
     /// `K_jᵀ` tiles of the unit's (sequence, kv head), for the `f32` products, in panels of
     /// [`PANEL_WIDTH`] keys ([`BLayout::panels`] of `d` rows): each GEMM micro-tile reads its
@@ -49,10 +50,10 @@ pub(super) struct Scratch {
 
 /// `Q_i`, `K_jᵀ`, `V_j` and `P_ij` in the pair layout of [`gemm_bf16`].
 struct PairTiles {
-    q: Vec<Bf16Pair>,
-    kt: Vec<Bf16Pair>,
-    v: Vec<Bf16Pair>,
-    p: Vec<Bf16Pair>,
+    q: LineVec<Bf16Pair>,
+    kt: LineVec<Bf16Pair>,
+    v: LineVec<Bf16Pair>,
+    p: LineVec<Bf16Pair>,
     kt_cache: TileCache<Bf16Pair>,
     v_cache: TileCache<Bf16Pair>,
 }
@@ -61,17 +62,18 @@ struct PairTiles {
 /// query tile and GQA head of a work unit: each key tile is read and transposed once per unit
 /// instead of once per query tile, and tiles a causal unit never visits are never packed.
 struct TileCache<E> {
-    data: Vec<E>,
+    data: LineVec<E>,
     slot_len: usize,
     filled: Vec<bool>,
 }
 
-impl<E: Copy + Default> TileCache<E> {
-    /// Room for the first `slots` key tiles of `slot_len` elements each, in `old`'s memory where
-    /// there is one (zeroed, as a fresh allocation).
+impl<E: Word> TileCache<E> {
+    /// Room for the first `slots` key tiles of `slot_len` elements each (each slot starting a
+    /// line), in `old`'s memory where there is one (zeroed, as a fresh allocation).
     fn new_in(old: Option<Self>, slots: usize, slot_len: usize) -> Self {
-        let (data, filled) = old.map_or((Vec::new(), Vec::new()), |c| (c.data, c.filled));
-        Self { data: zeros(data, slots * slot_len), slot_len, filled: zeros(filled, slots) }
+        let slot_len = slot_len.next_multiple_of(LINE_WORDS);
+        let (data, filled) = old.map_or((LineVec::new(), Vec::new()), |c| (c.data, c.filled));
+        Self { data: zeroed(data, slots * slot_len), slot_len, filled: zeros(filled, slots) }
     }
 
     fn bytes(&self) -> usize {
@@ -112,6 +114,13 @@ impl<E: Copy + Default> TileCache<E> {
 
 /// `v` as `n` zeros (its memory reused, its contents those of a fresh `vec![0; n]`).
 fn zeros<E: Copy + Default>(mut v: Vec<E>, n: usize) -> Vec<E> {
+    v.clear();
+    v.resize(n, E::default());
+    v
+}
+
+/// [`zeros`] for a [`LineVec`].
+fn zeroed<E: Word>(mut v: LineVec<E>, n: usize) -> LineVec<E> {
     v.clear();
     v.resize(n, E::default());
     v
@@ -194,7 +203,7 @@ pub(super) struct SharedTiles {
 }
 
 /// The buffers of a [`SharedTiles`]: `Kᵀ` and `V` in `f32`, and as `bf16` pairs.
-type SharedBuffers = (Vec<f32>, Vec<f32>, Vec<Bf16Pair>, Vec<Bf16Pair>);
+type SharedBuffers = (LineVec<f32>, LineVec<f32>, LineVec<Bf16Pair>, LineVec<Bf16Pair>);
 
 /// Memory of the last call's [`SharedTiles`], kept for the next call (up to [`SHARED_BUDGET`]):
 /// growing it on first use is the only time it is zeroed.
@@ -222,6 +231,8 @@ impl SharedTiles {
         } else {
             (g.d * panels(bc), if pack_v { bc * panels(g.dv) } else { 0 })
         };
+        // Every slot starts a line.
+        let (kt_len, v_len) = (kt_len.next_multiple_of(LINE_WORDS), v_len.next_multiple_of(LINE_WORDS));
         let mut groups = vec![None; shared_groups.len()];
         let mut slots = 0;
         for (s, seq) in g.seqs.iter().enumerate() {
@@ -366,9 +377,9 @@ impl Drop for Claim<'_> {
 
 /// `v` resized to `n` elements, its memory reused; only growth is zeroed (a slot is zeroed by the
 /// unit that packs it, before it packs it).
-fn resized<E: Copy + Default>(mut v: Vec<E>, n: usize, what: &'static str) -> crate::error::Result<Vec<E>> {
+fn resized<E: Word>(mut v: LineVec<E>, n: usize, what: &'static str) -> crate::error::Result<LineVec<E>> {
     if n > v.len() {
-        v.try_reserve_exact(n - v.len()).map_err(|_| crate::error::Error::OutOfMemory {
+        v.try_reserve_total(n).map_err(|_| crate::error::Error::OutOfMemory {
             what,
             elements: n,
             element_bytes: std::mem::size_of::<E>(),
@@ -382,7 +393,14 @@ impl<T: Element> Context<'_, T> {
     /// Returns once shared slot `slot` (key tile `tile` of sequence `s`, kv head `kv_head`) is
     /// packed: packs it if no unit has claimed it; while another unit packs it, packs the group's
     /// other free tiles, then waits. `bufs`: the unit's scratch for widened rows.
-    fn shared_ready(&self, bufs: (&mut Vec<f32>, &mut Vec<f32>), s: usize, kv_head: usize, tile: usize, slot: usize) {
+    fn shared_ready(
+        &self,
+        bufs: (&mut LineVec<f32>, &mut LineVec<f32>),
+        s: usize,
+        kv_head: usize,
+        tile: usize,
+        slot: usize,
+    ) {
         let (k_buf, v_buf) = bufs;
         let mut spins = 0u32;
         while self.shared.state[slot].load(Ordering::Acquire) != READY {
@@ -401,7 +419,7 @@ impl<T: Element> Context<'_, T> {
     }
 
     /// Packs one free shared tile of (`s`, `kv_head`), if any is left; whether it did.
-    fn help_pack(&self, bufs: (&mut Vec<f32>, &mut Vec<f32>), s: usize, kv_head: usize) -> bool {
+    fn help_pack(&self, bufs: (&mut LineVec<f32>, &mut LineVec<f32>), s: usize, kv_head: usize) -> bool {
         let Some(Some((first, tiles))) = self.shared.groups.get(s * self.g.hk + kv_head) else { return false };
         let (k_buf, v_buf) = bufs;
         tiles
@@ -414,7 +432,7 @@ impl<T: Element> Context<'_, T> {
     /// marks it ready; whether it did.
     fn try_pack(
         &self,
-        bufs: (&mut Vec<f32>, &mut Vec<f32>),
+        bufs: (&mut LineVec<f32>, &mut LineVec<f32>),
         s: usize,
         kv_head: usize,
         tile: usize,
@@ -436,7 +454,7 @@ impl<T: Element> Context<'_, T> {
     /// has claimed (moved from [`FREE`] to [`PACKING`]).
     fn pack_shared_slot(
         &self,
-        (k_buf, v_buf): (&mut Vec<f32>, &mut Vec<f32>),
+        (k_buf, v_buf): (&mut LineVec<f32>, &mut LineVec<f32>),
         s: usize,
         kv_head: usize,
         tile: usize,
@@ -475,12 +493,12 @@ impl<T: Element> Context<'_, T> {
 impl Scratch {
     fn empty() -> Self {
         Scratch {
-            q: Vec::new(),
-            k: Vec::new(),
-            kt: Vec::new(),
-            v: Vec::new(),
-            s: Vec::new(),
-            o: Vec::new(),
+            q: LineVec::new(),
+            k: LineVec::new(),
+            kt: LineVec::new(),
+            v: LineVec::new(),
+            s: LineVec::new(),
+            o: LineVec::new(),
             softmax: OnlineSoftmax::default(),
             kt_cache: TileCache::new_in(None, 0, 0),
             v_cache: TileCache::new_in(None, 0, 0),
@@ -503,7 +521,7 @@ impl Scratch {
         // The caches of the other kind of products are let go, not kept empty.
         let (old_kt_cache, old_v_cache) = if pairs { (None, None) } else { (Some(old.kt_cache), Some(old.v_cache)) };
         let old_pairs = if pairs { old.pairs } else { None };
-        let f32_tile = |v: Vec<f32>, n: usize| zeros(v, if pairs { 0 } else { n });
+        let f32_tile = |v: LineVec<f32>, n: usize| zeroed(v, if pairs { 0 } else { n });
         let key_tiles = g.max_sk.div_ceil(t.bc);
         let (kt_len, v_len) = (g.d.div_ceil(2) * t.bc, t.bc.div_ceil(2) * g.dv);
         let pair_slots = key_tiles.min(cache_budget / (4 * (kt_len + v_len)).max(1));
@@ -514,24 +532,24 @@ impl Scratch {
         let f32_slots = |len: usize| if pairs { 0 } else { key_tiles.min(cache_budget / (4 * len).max(1)) };
         let (pq, pkt, pv, pp, pkc, pvc) = match old_pairs {
             Some(p) => (p.q, p.kt, p.v, p.p, Some(p.kt_cache), Some(p.v_cache)),
-            None => (Vec::new(), Vec::new(), Vec::new(), Vec::new(), None, None),
+            None => (LineVec::new(), LineVec::new(), LineVec::new(), LineVec::new(), None, None),
         };
         Self {
             // Sized on first use: `k` and `v` stay empty for `f32` rows read in place (`rows_f32`).
-            q: zeros(old.q, 0),
-            k: zeros(old.k, 0),
+            q: zeroed(old.q, 0),
+            k: zeroed(old.k, 0),
             kt: f32_tile(old.kt, f32_kt_len),
-            v: zeros(old.v, 0),
-            s: zeros(old.s, t.br * st.s),
-            o: zeros(old.o, t.br * g.dv),
+            v: zeroed(old.v, 0),
+            s: zeroed(old.s, t.br * st.s),
+            o: zeroed(old.o, t.br * g.dv),
             softmax: OnlineSoftmax::default(),
             kt_cache: TileCache::new_in(old_kt_cache, f32_slots(f32_kt_len), f32_kt_len),
             v_cache: TileCache::new_in(old_v_cache, if pack_v { f32_slots(f32_v_len) } else { 0 }, f32_v_len),
             pairs: pairs.then(|| PairTiles {
-                q: zeros(pq, t.br * g.d.div_ceil(2)),
-                kt: zeros(pkt, kt_len),
-                v: zeros(pv, v_len),
-                p: zeros(pp, t.br * t.bc.div_ceil(2)),
+                q: zeroed(pq, t.br * g.d.div_ceil(2)),
+                kt: zeroed(pkt, kt_len),
+                v: zeroed(pv, v_len),
+                p: zeroed(pp, t.br * t.bc.div_ceil(2)),
                 kt_cache: TileCache::new_in(pkc, pair_slots, kt_len),
                 v_cache: TileCache::new_in(pvc, pair_slots, v_len),
             }),
@@ -540,8 +558,8 @@ impl Scratch {
 
     /// Bytes this scratch holds.
     fn bytes(&self) -> usize {
-        let f = |v: &Vec<f32>| 4 * v.capacity();
-        let w = |v: &Vec<Bf16Pair>| std::mem::size_of::<Bf16Pair>() * v.capacity();
+        let f = |v: &LineVec<f32>| 4 * v.capacity();
+        let w = |v: &LineVec<Bf16Pair>| std::mem::size_of::<Bf16Pair>() * v.capacity();
         let mut n = f(&self.q) + f(&self.k) + f(&self.kt) + f(&self.v) + f(&self.s) + f(&self.o);
         n += self.kt_cache.bytes() + self.v_cache.bytes();
         if let Some(p) = &self.pairs {

@@ -12,6 +12,7 @@ mod forward;
 pub mod gemm;
 pub mod isa;
 mod lanes;
+mod lines;
 mod pairs;
 pub mod peak;
 mod softmax;

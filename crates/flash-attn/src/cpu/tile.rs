@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use super::gemm::{gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
+use super::lines::LineVec;
 use super::transpose::transpose;
 use crate::dtype::Element;
 use crate::mask::{TileClass, Visibility};
@@ -98,7 +99,7 @@ pub(super) fn panels<'v>(
 /// grows on first use (so `f32` inputs never allocate or zero it).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn rows_f32<'s, T: Element>(
-    buf: &'s mut Vec<f32>,
+    buf: &'s mut LineVec<f32>,
     src: &'s [T],
     layout: RowLayout,
     seq: &Sequence,
