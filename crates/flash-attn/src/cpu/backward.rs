@@ -18,7 +18,7 @@ use super::lines::{LineVec, Word, LINE_WORDS};
 use super::pairs::{ds_to_pairs, narrow_row_pairs, pack_row_pairs, pack_rows, pack_rows_transposed};
 use super::tile::{load_rows, score_tile, transpose_panels, QkOperands, ScoreMod};
 use super::transpose::transpose;
-use super::vexp::{exp_scaled_row_pairs, exp_scaled_sub_sum};
+use super::vexp::{exp_scaled_row_pairs, exp_scaled_sub_sum, scale_row};
 use super::Sink;
 use crate::dtype::Element;
 use crate::error::{try_vec, Result};
@@ -247,7 +247,7 @@ impl<T: Element> Context<'_, T> {
                 }
             }
             // dK_j = scale · Σ dSᵀ Q; dV_j = Σ P'ᵀ dO: write this tile's rows.
-            sc.dk[..nc * d].iter_mut().for_each(|x| *x *= g.scale);
+            scale_row(self.isa, &mut sc.dk[..nc * d], g.scale);
             for (c, j) in cols.enumerate() {
                 let at = self.dk_layout.row(seq, seq.k_start, j, kv_head);
                 // SAFETY: key j of (seq, kv_head) belongs to this unit's chunk alone; its row is

@@ -14,6 +14,7 @@ use super::softmax::OnlineSoftmax;
 use super::tile::{
     load_rows, pack_panels, panels, rows_f32, score_tile, transpose_panels, QkOperands, ScoreMod, PANEL,
 };
+use super::vexp::scale_row;
 use super::Sink;
 use crate::dtype::Element;
 use crate::mask::TileClass;
@@ -844,7 +845,7 @@ impl<T: Element> Context<'_, T> {
         for (r, i) in rows.enumerate() {
             let (inv, lse) = sc.softmax.finish(r).unwrap_or((0.0, f32::NEG_INFINITY));
             let o = &mut sc.o[r * dv..(r + 1) * dv];
-            o.iter_mut().for_each(|x| *x *= inv);
+            scale_row(self.isa, o, inv);
             if let Some(sp) = split {
                 let (ranges, first) = &self.partials.seqs[seq_index];
                 let at = first + (head * seq.sq + i) * ranges.len() + sp;

@@ -8,7 +8,7 @@ use std::f32::consts::LOG2_E;
 
 use super::gemm::Bf16Pair;
 use super::isa::Isa;
-use super::vexp::{exp_scaled_sub_sum, exp_scaled_sum_to_pairs, row_max};
+use super::vexp::{exp_scaled_sub_sum, exp_scaled_sum_to_pairs, row_max, scale_row};
 
 /// Running row maxima and sums of one query tile.
 #[derive(Debug, Default)]
@@ -65,7 +65,7 @@ impl OnlineSoftmax {
                 // Algorithm 1, line 12: rescale what was accumulated under the old maximum.
                 let alpha = ((*m - m_new) * LOG2_E).exp2();
                 *l *= alpha;
-                o[r * dv..(r + 1) * dv].iter_mut().for_each(|x| *x *= alpha);
+                scale_row(isa, &mut o[r * dv..(r + 1) * dv], alpha);
                 *m = m_new;
             }
             *l += match pairs.as_mut() {

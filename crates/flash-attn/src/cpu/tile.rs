@@ -7,6 +7,7 @@ use super::gemm::{gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
 use super::lines::LineVec;
 use super::transpose::transpose;
+use super::vexp::scale_row;
 use crate::dtype::Element;
 use crate::mask::{TileClass, Visibility};
 use crate::spec::{Geometry, RowLayout, Sequence};
@@ -202,7 +203,7 @@ pub(super) fn score_tile(
     for (r, i) in rows.enumerate() {
         let row = &mut s[r * ld..r * ld + nc];
         if !q_scaled {
-            row.iter_mut().for_each(|x| *x *= m.q_mult);
+            scale_row(isa, row, m.q_mult);
         }
         if let Some(cap) = m.cap {
             let t_row = tanh.as_deref_mut().map(|t| &mut t[r * ld..r * ld + nc]);

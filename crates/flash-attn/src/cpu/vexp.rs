@@ -51,6 +51,32 @@ pub fn row_max(isa: Isa, row: &[f32]) -> f32 {
     row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
+/// `row[j] *= alpha` for every `j` (the online softmax's rescale of an output row, and the final
+/// `1 / l`): one rounded product an element on every path, so the same bits at any width.
+#[inline]
+pub fn scale_row(isa: Isa, row: &mut [f32], alpha: f32) {
+    #[cfg(target_arch = "x86_64")]
+    match isa {
+        // SAFETY: AVX-512F is available (checked).
+        _ if isa.avx512() => return unsafe { x86::scale_row(row, alpha) },
+        // SAFETY: AVX2 is available (checked).
+        Isa::Avx2 if Isa::Avx2.is_supported() => return unsafe { scale_row_avx2(row, alpha) },
+        _ => {}
+    }
+    let _ = isa;
+    row.iter_mut().for_each(|x| *x *= alpha);
+}
+
+/// [`scale_row`] compiled for AVX2 (the loop vectorises to 8 lanes).
+///
+/// # Safety
+/// AVX2 available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn scale_row_avx2(row: &mut [f32], alpha: f32) {
+    row.iter_mut().for_each(|x| *x *= alpha);
+}
+
 /// `row[j] = e^(scale · row[j] - m)` for every `j`; returns `Σ_j row[j]`. On the AVX-512 path
 /// `scale · row[j] - m` is one fused multiply-subtract (one rounding; with `scale = 1` exactly
 /// `row[j] - m`), so the softmax scale can wait until here instead of
@@ -158,6 +184,25 @@ mod x86 {
             p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
         }
         _mm512_scalef_ps(p, n)
+    }
+
+    /// # Safety
+    /// AVX-512F available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scale_row(row: &mut [f32], alpha: f32) {
+        let a = _mm512_set1_ps(alpha);
+        let mut chunks = row.chunks_exact_mut(16);
+        for c in &mut chunks {
+            // SAFETY: `c` holds 16 floats.
+            unsafe { _mm512_storeu_ps(c.as_mut_ptr(), _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), a)) };
+        }
+        let tail = chunks.into_remainder();
+        let mask: __mmask16 = ((1u32 << tail.len()) - 1) as u16;
+        // SAFETY: the mask selects only the `tail.len()` valid floats.
+        unsafe {
+            let t = _mm512_maskz_loadu_ps(mask, tail.as_ptr());
+            _mm512_mask_storeu_ps(tail.as_mut_ptr(), mask, _mm512_mul_ps(t, a));
+        }
     }
 
     /// # Safety
@@ -382,6 +427,21 @@ mod tests {
                     }
                 }
                 assert!(sum.is_nan(), "{isa}");
+            }
+        }
+    }
+
+    #[test]
+    fn scale_row_gives_the_scalar_products_on_every_path_and_length() {
+        let mut rng = crate::check::Rng::new(45);
+        for n in [0, 1, 7, 15, 16, 17, 33, 128, 131] {
+            let row: Vec<f32> = (0..n).map(|_| 3.0 * rng.normal() as f32).collect();
+            let alpha = rng.normal() as f32;
+            let want: Vec<u32> = row.iter().map(|&x| (x * alpha).to_bits()).collect();
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+                let mut got = row.clone();
+                scale_row(isa, &mut got, alpha);
+                assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want, "{} n {n}", isa.name());
             }
         }
     }
