@@ -89,8 +89,8 @@ impl<T> Sink<T> {
 /// it takes (items are claimed from a shared counter, so long items listed first finish early).
 ///
 /// (Tried on the Xeon, session 45: the calling thread as one of the tasks, which starts on the
-/// items at once while the pool's threads wake up: 0.92-0.95x on the 128² causal shapes, its
-/// spinning idle pool thread sharing a core with the sixteenth task.)
+/// items at once while the pool's threads wake up: 0.92-0.95x on the 128² causal shapes; the
+/// cause, probably the pool thread it idles spinning on a busy core, was not measured.)
 fn for_each_dynamic<I: Sync, S>(items: &[I], init: impl Fn() -> S + Sync, work: impl Fn(&mut S, &I) + Sync) {
     let next = AtomicUsize::new(0);
     let tasks = rayon::current_num_threads().min(items.len());
