@@ -74,7 +74,7 @@ impl<E: Word> TileCache<E> {
     fn new_in(old: Option<Self>, slots: usize, slot_len: usize) -> Self {
         let slot_len = slot_len.next_multiple_of(LINE_WORDS);
         let (data, filled) = old.map_or((LineVec::new(), Vec::new()), |c| (c.data, c.filled));
-        Self { data: zeroed(data, slots * slot_len), slot_len, filled: zeros(filled, slots) }
+        Self { data: data.into_zeros(slots * slot_len), slot_len, filled: zeros(filled, slots) }
     }
 
     fn bytes(&self) -> usize {
@@ -115,13 +115,6 @@ impl<E: Word> TileCache<E> {
 
 /// `v` as `n` zeros (its memory reused, its contents those of a fresh `vec![0; n]`).
 fn zeros<E: Copy + Default>(mut v: Vec<E>, n: usize) -> Vec<E> {
-    v.clear();
-    v.resize(n, E::default());
-    v
-}
-
-/// [`zeros`] for a [`LineVec`].
-fn zeroed<E: Word>(mut v: LineVec<E>, n: usize) -> LineVec<E> {
     v.clear();
     v.resize(n, E::default());
     v
@@ -357,6 +350,10 @@ impl SharedTiles {
     }
 }
 
+/// A unit's scratch for `K` and `V` rows widened to `f32` (`rows_f32`), lent to the packing of
+/// shared slots.
+type RowBufs<'a> = (&'a mut LineVec<f32>, &'a mut LineVec<f32>);
+
 /// A shared slot this thread has claimed ([`PACKING`]): [`Claim::ready`] publishes it; dropped
 /// without that (the packing panicked), it is free again, so that a unit waiting for it packs it
 /// (and meets the panic itself) instead of waiting for ever.
@@ -394,14 +391,7 @@ impl<T: Element> Context<'_, T> {
     /// Returns once shared slot `slot` (key tile `tile` of sequence `s`, kv head `kv_head`) is
     /// packed: packs it if no unit has claimed it; while another unit packs it, packs the group's
     /// other free tiles, then waits. `bufs`: the unit's scratch for widened rows.
-    fn shared_ready(
-        &self,
-        bufs: (&mut LineVec<f32>, &mut LineVec<f32>),
-        s: usize,
-        kv_head: usize,
-        tile: usize,
-        slot: usize,
-    ) {
+    fn shared_ready(&self, bufs: RowBufs<'_>, s: usize, kv_head: usize, tile: usize, slot: usize) {
         let (k_buf, v_buf) = bufs;
         let mut spins = 0u32;
         while self.shared.state[slot].load(Ordering::Acquire) != READY {
@@ -420,7 +410,7 @@ impl<T: Element> Context<'_, T> {
     }
 
     /// Packs one free shared tile of (`s`, `kv_head`), if any is left; whether it did.
-    fn help_pack(&self, bufs: (&mut LineVec<f32>, &mut LineVec<f32>), s: usize, kv_head: usize) -> bool {
+    fn help_pack(&self, bufs: RowBufs<'_>, s: usize, kv_head: usize) -> bool {
         let Some(Some((first, tiles))) = self.shared.groups.get(s * self.g.hk + kv_head) else { return false };
         let (k_buf, v_buf) = bufs;
         tiles
@@ -431,14 +421,7 @@ impl<T: Element> Context<'_, T> {
 
     /// Claims shared slot `slot` (key tile `tile` of (`s`, `kv_head`)) if it is free, packs it and
     /// marks it ready; whether it did.
-    fn try_pack(
-        &self,
-        bufs: (&mut LineVec<f32>, &mut LineVec<f32>),
-        s: usize,
-        kv_head: usize,
-        tile: usize,
-        slot: usize,
-    ) -> bool {
+    fn try_pack(&self, bufs: RowBufs<'_>, s: usize, kv_head: usize, tile: usize, slot: usize) -> bool {
         let state = &self.shared.state[slot];
         if state.load(Ordering::Relaxed) != FREE
             || state.compare_exchange(FREE, PACKING, Ordering::Acquire, Ordering::Relaxed).is_err()
@@ -453,14 +436,7 @@ impl<T: Element> Context<'_, T> {
 
     /// Packs key tile `tile` of (`s`, `kv_head`) whole into shared slot `slot`, which this thread
     /// has claimed (moved from [`FREE`] to [`PACKING`]).
-    fn pack_shared_slot(
-        &self,
-        (k_buf, v_buf): (&mut LineVec<f32>, &mut LineVec<f32>),
-        s: usize,
-        kv_head: usize,
-        tile: usize,
-        slot: usize,
-    ) {
+    fn pack_shared_slot(&self, (k_buf, v_buf): RowBufs<'_>, s: usize, kv_head: usize, tile: usize, slot: usize) {
         let (g, bc, sh) = (self.g, self.tiles.bc, self.shared);
         let seq = &g.seqs[s];
         let whole = tile * bc..((tile + 1) * bc).min(seq.sk);
@@ -522,7 +498,7 @@ impl Scratch {
         // The caches of the other kind of products are let go, not kept empty.
         let (old_kt_cache, old_v_cache) = if pairs { (None, None) } else { (Some(old.kt_cache), Some(old.v_cache)) };
         let old_pairs = if pairs { old.pairs } else { None };
-        let f32_tile = |v: LineVec<f32>, n: usize| zeroed(v, if pairs { 0 } else { n });
+        let f32_tile = |v: LineVec<f32>, n: usize| v.into_zeros(if pairs { 0 } else { n });
         let key_tiles = g.max_sk.div_ceil(t.bc);
         let (kt_len, v_len) = (g.d.div_ceil(2) * t.bc, t.bc.div_ceil(2) * g.dv);
         let pair_slots = key_tiles.min(cache_budget / (4 * (kt_len + v_len)).max(1));
@@ -537,20 +513,20 @@ impl Scratch {
         };
         Self {
             // Sized on first use: `k` and `v` stay empty for `f32` rows read in place (`rows_f32`).
-            q: zeroed(old.q, 0),
-            k: zeroed(old.k, 0),
+            q: old.q.into_zeros(0),
+            k: old.k.into_zeros(0),
             kt: f32_tile(old.kt, f32_kt_len),
-            v: zeroed(old.v, 0),
-            s: zeroed(old.s, t.br * st.s),
-            o: zeroed(old.o, t.br * g.dv),
+            v: old.v.into_zeros(0),
+            s: old.s.into_zeros(t.br * st.s),
+            o: old.o.into_zeros(t.br * g.dv),
             softmax: OnlineSoftmax::default(),
             kt_cache: TileCache::new_in(old_kt_cache, f32_slots(f32_kt_len), f32_kt_len),
             v_cache: TileCache::new_in(old_v_cache, if pack_v { f32_slots(f32_v_len) } else { 0 }, f32_v_len),
             pairs: pairs.then(|| PairTiles {
-                q: zeroed(pq, t.br * g.d.div_ceil(2)),
-                kt: zeroed(pkt, kt_len),
-                v: zeroed(pv, v_len),
-                p: zeroed(pp, t.br * t.bc.div_ceil(2)),
+                q: pq.into_zeros(t.br * g.d.div_ceil(2)),
+                kt: pkt.into_zeros(kt_len),
+                v: pv.into_zeros(v_len),
+                p: pp.into_zeros(t.br * t.bc.div_ceil(2)),
                 kt_cache: TileCache::new_in(pkc, pair_slots, kt_len),
                 v_cache: TileCache::new_in(pvc, pair_slots, v_len),
             }),

@@ -57,6 +57,13 @@ impl<E: Word> LineVec<E> {
         v
     }
 
+    /// This buffer's memory as `n` zeros (its contents those of [`Self::zeroed`]).
+    pub fn into_zeros(mut self, n: usize) -> Self {
+        self.clear();
+        self.resize(n, E::default());
+        self
+    }
+
     /// Elements the buffer holds without growing.
     pub fn capacity(&self) -> usize {
         self.lines.capacity() * LINE_WORDS
@@ -126,6 +133,9 @@ mod tests {
         v.resize(3, 9.0);
         v.resize(6, 7.0);
         assert_eq!(&v[..], &[0.5, 1.5, 2.5, 7.0, 7.0, 7.0]);
+        let v = v.into_zeros(4);
+        assert_eq!(&v[..], &[0.0; 4]);
+        let mut v = v;
         v.clear();
         assert!(v.is_empty());
         assert!(v.capacity() >= 48);

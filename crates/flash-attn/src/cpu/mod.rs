@@ -704,6 +704,12 @@ mod tests {
         }
     }
 
+    /// Zeroed `out` and `lse` buffers for the problem `g`, and `out`'s shape.
+    fn out_buffers<T: Element>(g: &Geometry<'_>) -> (Vec<T>, Vec<f32>, Vec<usize>) {
+        let shape = g.out_shape();
+        (vec![T::default(); shape.iter().product()], vec![0.0; g.lse_len()], shape)
+    }
+
     /// Output bits of `case` with tiles `tiles`, a key/value cache of `budget` bytes per thread
     /// and shared key/value tiles or not (`share`), after checking the contract against the
     /// oracle; and the number of key tiles packed into shared slots.
@@ -712,9 +718,7 @@ mod tests {
         let spec = case.spec(&data);
         let [q, k, v] = data.views();
         let g = spec.geometry(&q, &k, &v).expect("valid case");
-        let shape = g.out_shape();
-        let mut out = vec![T::default(); shape.iter().product()];
-        let mut lse = vec![0.0f32; g.lse_len()];
+        let (mut out, mut lse, shape) = out_buffers::<T>(&g);
         let shared = forward_with_cache_budget(
             &g,
             &q,
@@ -770,9 +774,7 @@ mod tests {
             let spec = case.spec(&data);
             let [q, k, v] = data.views();
             let g = spec.geometry(&q, &k, &v).expect("valid case");
-            let shape = g.out_shape();
-            let mut out = vec![T::default(); shape.iter().product()];
-            let mut lse = vec![0.0f32; g.lse_len()];
+            let (mut out, mut lse, shape) = out_buffers::<T>(&g);
             crate::forward_into(&spec, &q, &k, &v, &mut TensorMut::new(&mut out, &shape), &mut lse).expect("valid");
             let oracle = reference::forward(&spec, &q, &k, &v).expect("valid case");
             for (i, (o, r)) in out.iter().zip(&oracle.out).enumerate() {
