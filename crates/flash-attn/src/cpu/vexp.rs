@@ -51,8 +51,9 @@ pub fn row_max(isa: Isa, row: &[f32]) -> f32 {
     row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
-/// `row[j] *= alpha` for every `j` (the online softmax's rescale of an output row, and the final
-/// `1 / l`): one rounded product an element on every path, so the same bits at any width.
+/// `row[j] *= alpha` for every `j` (the online softmax's rescale of an output row, the final
+/// `1 / l`, a score scale not fused into the exponent, the backward's `dK` scale): one rounded
+/// product an element on every path, so the same bits at any width.
 #[inline]
 pub fn scale_row(isa: Isa, row: &mut [f32], alpha: f32) {
     #[cfg(target_arch = "x86_64")]
