@@ -19,7 +19,7 @@ use super::gemm::{gemm, gemm_acc_skipping_zeros, BLayout};
 use super::isa::Isa;
 use super::softmax::{merge_row, OnlineSoftmax};
 use super::transpose::transpose;
-use super::{for_each_dynamic, Sink};
+use super::{finite_f32, for_each_dynamic, Sink};
 use crate::dtype::Element;
 use crate::error::{try_vec, Error, Result};
 use crate::kvcache::{splits_heuristic, KvProblem};
@@ -163,7 +163,7 @@ fn load_row<T: Element>(isa: Isa, src: &[T], dst: &mut [f32]) -> bool {
         Some(f) => dst.copy_from_slice(f),
         None => T::widen_slice(src, dst),
     }
-    all_finite(dst)
+    finite_f32(dst)
 }
 
 /// `bf16` bits to `f32` (exact: a shift), and whether all are finite.
@@ -188,12 +188,6 @@ unsafe fn widen_bf16_avx512(src: &[u16], dst: &mut [f32]) -> bool {
 #[target_feature(enable = "avx2")]
 unsafe fn widen_bf16_avx2(src: &[u16], dst: &mut [f32]) -> bool {
     widen_bf16(src, dst)
-}
-
-/// Whether every element is finite (branch-free, so it vectorises).
-#[inline]
-fn all_finite(xs: &[f32]) -> bool {
-    xs.iter().fold(0u32, |bad, x| bad | u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000)) == 0
 }
 
 /// Asks the cache hierarchy for the lines of `row` (a hint; nothing on targets without one).
@@ -309,7 +303,7 @@ fn unit<T: Element>(
     if direct_kernels(isa, u.rows.len()) {
         unit_pass(p, isa, true, q, k_cache, v_cache, sc, u);
         let n = u.heads.len() * u.rows.len() * p.dv;
-        if all_finite(&sc.o[..n]) {
+        if finite_f32(&sc.o[..n]) {
             return finish(p, target, sc, u);
         }
     }

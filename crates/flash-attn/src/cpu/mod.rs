@@ -588,7 +588,7 @@ fn finite_slice<T: Element>(isa: Isa, xs: &[T]) -> bool {
 /// No element of `xs` has an all-ones exponent (infinite or NaN). Early exit by chunks only, so
 /// that each chunk's loop vectorises.
 #[inline(always)]
-fn finite_f32(xs: &[f32]) -> bool {
+pub(super) fn finite_f32(xs: &[f32]) -> bool {
     xs.chunks(256).all(|c| c.iter().fold(0u32, |acc, x| acc | u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000)) == 0)
 }
 
