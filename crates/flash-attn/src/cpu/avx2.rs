@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::vexp::EXP2_TAYLOR;
+use super::vexp::{EXP2_FLUSH, EXP2_TAYLOR};
 
 /// Lanes `0..w` of 8 selected.
 #[target_feature(enable = "avx2")]
@@ -18,16 +18,20 @@ fn mask(w: usize) -> __m256i {
 
 /// `2^x` for 8 lanes: `2^n · 2^f` with `n = round(x)`, `f ∈ [-½, ½]`, `2^f` by the degree-7
 /// polynomial, and `2^n` as two multiplies by powers of two built in the exponent field (each
-/// half of `n` is a normal float, so `x` down to -160 underflows to exactly 0, `-inf` included).
-/// NaN propagates through the polynomial.
+/// half of `n` a normal float, so `2^f · 2^n` up to `x = 128`). Below
+/// [`EXP2_FLUSH`](super::vexp::EXP2_FLUSH) exactly 0, `-inf` included, with no subnormal or
+/// underflowing product on the way (the vexp module's notes say why). NaN propagates.
 ///
 /// # Safety
 /// AVX2 and FMA available.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 pub unsafe fn exp2(x: __m256) -> __m256 {
-    // max(lo, x) and min(hi, x) return x when x is NaN (the second operand wins).
-    let x = _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(_mm256_set1_ps(-160.0), x));
+    // Lanes below the flush bound give exactly 0 ("not less than" is true for NaN, which
+    // stays); max(lo, x) and min(hi, x) return x when x is NaN (the second operand wins).
+    let flush = _mm256_set1_ps(EXP2_FLUSH);
+    let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(x, flush);
+    let x = _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(flush, x));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
     let f = _mm256_sub_ps(x, n);
     let mut p = _mm256_set1_ps(EXP2_TAYLOR[7]);
@@ -38,7 +42,7 @@ pub unsafe fn exp2(x: __m256) -> __m256 {
     let n1 = _mm256_srai_epi32::<1>(ni);
     let n2 = _mm256_sub_epi32(ni, n1);
     let pow = |e: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(e, _mm256_set1_epi32(127))));
-    _mm256_mul_ps(_mm256_mul_ps(p, pow(n1)), pow(n2))
+    _mm256_and_ps(keep, _mm256_mul_ps(_mm256_mul_ps(p, pow(n1)), pow(n2)))
 }
 
 /// `max_j row[j]`, `-inf` for an empty row, NaN entries ignored (as by `f32::max`).

@@ -12,7 +12,7 @@
 use std::arch::aarch64::*;
 
 use super::gemm::Bf16Pair;
-use super::vexp::EXP2_TAYLOR;
+use super::vexp::{EXP2_FLUSH, EXP2_TAYLOR};
 
 /// Rows of `C` per micro-tile.
 const MR: usize = 8;
@@ -254,15 +254,19 @@ unsafe fn tile_bf16<const R: usize, const TA: bool>(
 }
 
 /// `2^x` for 4 lanes: `2^n · 2^f`, `n = round(x)`, the degree-7 polynomial for `2^f`, and `2^n`
-/// as two multiplies by powers of two (`x` down to -160, `-inf` included, gives exactly 0; NaN
-/// propagates: `fmax`/`fmin` return NaN).
+/// as two multiplies by powers of two. Below [`EXP2_FLUSH`](super::vexp::EXP2_FLUSH) exactly 0,
+/// `-inf` included, with no subnormal or underflowing product on the way (as on x86); NaN
+/// propagates (`fmax`/`fmin` return NaN, and its lane is kept).
 ///
 /// # Safety
 /// NEON available.
 #[target_feature(enable = "neon")]
 #[inline]
 unsafe fn exp2(x: float32x4_t) -> float32x4_t {
-    let x = vminq_f32(vdupq_n_f32(128.0), vmaxq_f32(vdupq_n_f32(-160.0), x));
+    let flush = vdupq_n_f32(EXP2_FLUSH);
+    // Not below the bound (true for NaN): the lanes kept.
+    let keep = vmvnq_u32(vcltq_f32(x, flush));
+    let x = vminq_f32(vdupq_n_f32(128.0), vmaxq_f32(flush, x));
     let n = vrndnq_f32(x);
     let f = vsubq_f32(x, n);
     let mut p = vdupq_n_f32(EXP2_TAYLOR[7]);
@@ -273,7 +277,8 @@ unsafe fn exp2(x: float32x4_t) -> float32x4_t {
     let n1 = vshrq_n_s32::<1>(ni);
     let n2 = vsubq_s32(ni, n1);
     let pow = |e: int32x4_t| vreinterpretq_f32_s32(vshlq_n_s32::<23>(vaddq_s32(e, vdupq_n_s32(127))));
-    vmulq_f32(vmulq_f32(p, pow(n1)), pow(n2))
+    let r = vmulq_f32(vmulq_f32(p, pow(n1)), pow(n2));
+    vreinterpretq_f32_u32(vandq_u32(keep, vreinterpretq_u32_f32(r)))
 }
 
 /// `2^((scale · x - m) · log2 e)` for 4 lanes, the difference one fused multiply-subtract.

@@ -6,13 +6,22 @@
 //!
 //! The AVX-512 path evaluates `2^x` as `2^n · 2^f` with `n = round(x)`, `f = x - n ∈ [-½, ½]`,
 //! and `2^f` by its degree-7 Taylor polynomial in `f · ln 2` (truncation error below 4.4e-9
-//! relative), then `vscalefps` for `2^n`, which also gives exact 0 for `x = -inf` (masked keys)
-//! and propagates NaN. The AVX2 and NEON paths (`avx2.rs`, `neon.rs`) evaluate the same
-//! polynomial on 8 and 4 lanes, with `2^n` as two exponent-field multiplies (no `vscalefps`);
-//! their tails run the same operations under lane masks, so every element's value is the same
-//! wherever a tile boundary falls. Measured maximum relative error against `f64` over
-//! `[-126, 126]` (in base 2): see the test `simd_exp2_is_within_two_ulps` (below 2.4e-7, two ulps
-//! of f32). The portable path uses the C library's `exp2f`.
+//! relative), then `vscalefps` for `2^n`; NaN propagates. The AVX2 and NEON paths (`avx2.rs`,
+//! `neon.rs`) evaluate the same polynomial on 8 and 4 lanes, with `2^n` as two exponent-field
+//! multiplies (no `vscalefps`); their tails run the same operations under lane masks, so every
+//! element's value is the same wherever a tile boundary falls. Measured maximum relative error
+//! against `f64` over `[-125, 126]` (in base 2): see the test `simd_exp2_is_within_two_ulps`
+//! (below 2.4e-7, two ulps of f32). The portable path uses the C library's `exp2f`.
+//!
+//! **Below [`EXP2_FLUSH`] every SIMD path returns exactly 0** (`x = -inf`, a masked key,
+//! included), and it never forms a subnormal or an underflowing result: the argument is clamped
+//! to `EXP2_FLUSH` first, and the lanes below it are zeroed by a compare mask. On Intel cores
+//! an underflowing or subnormal result of a vector instruction, with the default `MXCSR` (no
+//! flush-to-zero), takes a microcode assist of about a hundred cycles: the masked half of every
+//! causal diagonal tile took them, and on the Sapphire Rapids Xeon the exponentials of a causal
+//! forward ran 3× slower per element than a forward's without a mask
+//! (docs/cpu-performance.md, session 46). A probability below `2^-125` is below `2^-125` of the
+//! row's sum (whose largest term is 1) and below every rounding of the result.
 
 use super::gemm::Bf16Pair;
 use super::isa::Isa;
@@ -20,6 +29,10 @@ use super::pairs::narrow_to_pairs;
 
 /// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)`, the polynomial of
 /// every SIMD path's `2^x` (AVX-512, AVX2, NEON).
+/// The least argument of every SIMD path's `2^x` with a nonzero result; below it the result is
+/// exactly 0 (see the module's notes). `2^-125 · 2^f`, `f ∈ [-½, ½]`, is still a normal float.
+pub(super) const EXP2_FLUSH: f32 = -125.0;
+
 pub(super) const EXP2_TAYLOR: [f32; 8] = [
     1.0,
     std::f32::consts::LN_2,
@@ -166,7 +179,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::lanes::{interleave_rows, load_ps, store_epi32, store_ps};
-    use super::EXP2_TAYLOR;
+    use super::{EXP2_FLUSH, EXP2_TAYLOR};
 
     /// `2^x` for 16 lanes.
     ///
@@ -175,16 +188,19 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     pub unsafe fn exp2(x: __m512) -> __m512 {
-        // max(lo, x) and min(hi, x) return x when x is NaN (the second operand wins), so NaN
-        // propagates; -inf and anything below -150 become -150, whose 2^n underflows to exactly 0.
-        let x = _mm512_min_ps(_mm512_set1_ps(128.0), _mm512_max_ps(_mm512_set1_ps(-150.0), x));
+        // Lanes below the flush bound (`-inf` included) give exactly 0; "not less than" is true
+        // for NaN, which stays. max(lo, x) and min(hi, x) return x when x is NaN (the second
+        // operand wins), so NaN propagates; the clamp keeps every product normal.
+        let flush = _mm512_set1_ps(EXP2_FLUSH);
+        let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, flush);
+        let x = _mm512_min_ps(_mm512_set1_ps(128.0), _mm512_max_ps(flush, x));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
         let f = _mm512_sub_ps(x, n);
         let mut p = _mm512_set1_ps(EXP2_TAYLOR[7]);
         for &c in EXP2_TAYLOR[..7].iter().rev() {
             p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
         }
-        _mm512_scalef_ps(p, n)
+        _mm512_maskz_scalef_ps(keep, p, n)
     }
 
     /// # Safety
@@ -385,7 +401,7 @@ mod tests {
 
     #[test]
     fn simd_exp2_is_within_two_ulps() {
-        let xs: Vec<f32> = (0..200_000).map(|i| -87.0 + 175.0 * i as f32 / 200_000.0).collect();
+        let xs: Vec<f32> = (0..200_000).map(|i| -86.5 + 174.5 * i as f32 / 200_000.0).collect();
         for isa in Isa::available().into_iter().filter(|&isa| isa != Isa::Portable) {
             let mut got = xs.clone();
             exp_scaled_sub_sum(isa, &mut got, 1.0, 0.0);
@@ -400,6 +416,33 @@ mod tests {
                 })
                 .fold(0.0f64, f64::max);
             assert!(worst < 2.4e-7, "{isa}: max relative error {worst:e}");
+        }
+    }
+
+    #[test]
+    fn simd_exp2_flushes_below_the_bound_and_never_returns_a_subnormal() {
+        // Arguments (in base 2) from -190 to -100, dense around the bound: below EXP2_FLUSH
+        // exactly 0, from it a normal float within two ulps of `f64`.
+        let xs: Vec<f32> = (0..20_000).map(|i| -131.7 + 63.0 * i as f32 / 20_000.0).collect();
+        for isa in Isa::available().into_iter().filter(|&isa| isa != Isa::Portable) {
+            for len in [xs.len(), 13] {
+                let mut got = xs[..len].to_vec();
+                exp_scaled_sub_sum(isa, &mut got, 1.0, 0.0);
+                let (mut zeros, mut normals) = (0, 0);
+                for (&x, &g) in xs.iter().zip(&got) {
+                    let b = x * std::f32::consts::LOG2_E;
+                    if b < EXP2_FLUSH {
+                        assert_eq!(g.to_bits(), 0, "{isa}: 2^{b} gave {g:e}");
+                        zeros += 1;
+                    } else {
+                        assert!(g.is_normal(), "{isa}: 2^{b} gave {g:e}, not a normal float");
+                        let want = (b as f64).exp2();
+                        assert!((g as f64 - want).abs() / want < 2.4e-7, "{isa}: 2^{b} gave {g:e}");
+                        normals += 1;
+                    }
+                }
+                assert!(zeros > 0 && (len < 20 || normals > 0), "{isa}: the sweep missed a side of the bound");
+            }
         }
     }
 
