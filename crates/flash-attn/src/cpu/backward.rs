@@ -27,7 +27,7 @@ use crate::philox::DropoutRng;
 use crate::spec::{Geometry, RowLayout, Sequence};
 
 /// Units of work we aim for, independent of the thread count (so is the result).
-const MIN_UNITS: usize = 16;
+pub(super) const MIN_UNITS: usize = 16;
 
 /// Chunks of key/value tiles per `(sequence, kv head)`: enough units to occupy a machine when
 /// `batch · hk` is small, and one otherwise.

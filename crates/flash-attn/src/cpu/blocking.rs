@@ -83,10 +83,19 @@ impl Strides {
     }
 }
 
-/// Tile sizes of the backward pass. They depend on the head dims only — not on the thread count
-/// — because the backward pass promises bitwise identical results on any number of threads.
-pub fn backward_tiles(d: usize, dv: usize) -> Tiles {
-    Tiles { br: 64, bc: kv_tile(d, dv) }
+/// Tile sizes of the backward pass: 64-row query tiles, and key tiles as wide as the budget allows
+/// unless `kv_groups` (sequence, kv head) pairs of at most `max_sk` keys would then have fewer
+/// than `min_units` key tiles between them (a work unit of the backward is a run of key tiles of
+/// one pair): then narrower, halved down to 32 keys. At 1 × 8 heads × 128², d 128, one 128-key
+/// tile a head gave 16 threads 8 units. The sizes depend on the problem's shape only — not on
+/// the thread count — because the backward pass promises bitwise identical results on any
+/// number of threads.
+pub fn backward_tiles(d: usize, dv: usize, kv_groups: usize, max_sk: usize, min_units: usize) -> Tiles {
+    let mut bc = kv_tile(d, dv);
+    while bc > 32 && kv_groups * max_sk.div_ceil(bc) < min_units {
+        bc = (bc / 32).max(2) * 16;
+    }
+    Tiles { br: 64, bc }
 }
 
 /// Key/value tile width: as wide as the budget allows, a multiple of 16, between 16 and 128.
@@ -119,6 +128,23 @@ mod tests {
             assert!(ld.is_multiple_of(16) && !(ld / 16).is_multiple_of(2), "{n} -> {ld}");
         }
         assert_eq!((padded_stride(64), padded_stride(128), padded_stride(96)), (80, 144, 112));
+    }
+
+    #[test]
+    fn backward_key_tiles_narrow_only_for_too_few_units() {
+        // 8 heads of 128 keys: 128-key tiles give 8 units of 16; 64-key tiles give 16.
+        assert_eq!(backward_tiles(128, 128, 8, 128, 16), Tiles { br: 64, bc: 64 });
+        assert_eq!(backward_tiles(128, 128, 16, 128, 16).bc, 128);
+        assert_eq!(backward_tiles(128, 128, 8, 4096, 16).bc, 128);
+        // Down to 32 keys and no further, a multiple of 16 on the way.
+        assert_eq!(backward_tiles(64, 64, 1, 40, 16).bc, 32);
+        for d in [1, 7, 64, 128, 256, 1000] {
+            for (groups, sk) in [(1, 1), (1, 100), (3, 200), (8, 128), (64, 8192)] {
+                let t = backward_tiles(d, d, groups, sk, 16);
+                assert!(t.bc.is_multiple_of(16) && (32..=128).contains(&t.bc), "{d} {groups} {sk}: {t:?}");
+                assert!(t.bc == 32 || groups * sk.div_ceil(t.bc) >= 16 || t.bc == kv_tile(d, d), "{t:?}");
+            }
+        }
     }
 
     #[test]

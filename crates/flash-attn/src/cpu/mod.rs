@@ -422,7 +422,7 @@ pub fn backward_into<T: Element>(
     dk: &mut TensorMut<'_, T>,
     dv: &mut TensorMut<'_, T>,
 ) -> Result<()> {
-    let tiles = blocking::backward_tiles(g.d, g.dv);
+    let tiles = blocking::backward_tiles(g.d, g.dv, g.seqs.len() * g.hk, g.max_sk, backward::MIN_UNITS);
     backward_tiled(g, q, k, v, out, lse, dout, (dq, dk, dv), tiles, blocking::ROW_CACHE_BUDGET)
 }
 
