@@ -255,6 +255,13 @@ impl SharedTiles {
             resized(pair_kt, pair_len * kt_len, "shared key tiles")?,
             resized(pair_v, pair_len * v_len, "shared value tiles")?,
         );
+        #[cfg(test)]
+        if POISON_SHARED.get() {
+            buffers.0.fill(f32::NAN);
+            buffers.1.fill(f32::NAN);
+            buffers.2.fill(0x7fc0_7fc0);
+            buffers.3.fill(0x7fc0_7fc0);
+        }
         Ok(SharedTiles {
             groups,
             state: (0..slots).map(|_| AtomicU8::new(FREE)).collect(),
@@ -350,6 +357,13 @@ impl SharedTiles {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: [`SharedTiles::new`] on this thread fills its slot memory with NaN before any unit
+    /// packs a slot (a slot that is not zeroed before it is packed must be written whole).
+    pub(super) static POISON_SHARED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// A unit's scratch for `K` and `V` rows widened to `f32` (`rows_f32`), lent to the packing of
 /// shared slots.
 type RowBufs<'a> = (&'a mut LineVec<f32>, &'a mut LineVec<f32>);
@@ -440,26 +454,39 @@ impl<T: Element> Context<'_, T> {
         let (g, bc, sh) = (self.g, self.tiles.bc, self.shared);
         let seq = &g.seqs[s];
         let whole = tile * bc..((tile + 1) * bc).min(seq.sk);
+        // A slot keeps what an earlier tile or call left in it: it is zeroed first unless the
+        // packing below writes every element a product reads (a whole key tile, and on the `f32`
+        // path whole panels of 16 keys and of 16 value columns), which saves a memset of both
+        // tiles per slot (`bf16` at d 128: 64 KB).
+        let full = whole.len() == bc;
         if let Some(bits) = self.bf16 {
             // SAFETY: this thread claimed the slot: no other thread reads or writes it until it is
             // marked ready; the buffers hold every slot.
             let (kt, v) = unsafe {
                 (sh.pair_kt.slice_mut(slot * sh.kt_len, sh.kt_len), sh.pair_v.slice_mut(slot * sh.v_len, sh.v_len))
             };
-            kt.fill(0);
-            v.fill(0);
+            // Whole: `d.div_ceil(2)` pair rows of `bc` keys and `bc.div_ceil(2)` rows of `dv`.
+            if !full {
+                kt.fill(0);
+                v.fill(0);
+            }
             pack_rows_transposed(self.isa, kt, bc, bits.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
             pack_row_pairs(v, g.dv, bits.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
         } else {
             // SAFETY: as above.
             let (kt, v) =
                 unsafe { (sh.kt.slice_mut(slot * sh.kt_len, sh.kt_len), sh.v.slice_mut(slot * sh.v_len, sh.v_len)) };
-            kt.fill(0.0);
             let n = whole.len();
+            let whole_panels = full && n.is_multiple_of(PANEL_WIDTH);
+            if !whole_panels {
+                kt.fill(0.0);
+            }
             let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
             transpose_panels(self.isa, kt, k, ldk, n, g.d);
             if sh.v_len > 0 {
-                v.fill(0.0);
+                if !(full && g.dv.is_multiple_of(PANEL_WIDTH)) {
+                    v.fill(0.0);
+                }
                 let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
                 pack_panels(v, bc, rows, ld, n, g.dv);
             }

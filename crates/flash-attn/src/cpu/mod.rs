@@ -826,6 +826,41 @@ mod tests {
     }
 
     #[test]
+    fn shared_slots_left_dirty_give_the_clean_results() {
+        // Whole key tiles are packed into their shared slots without zeroing them first (partial
+        // ones are zeroed): no product may read an element of a slot that its packing did not
+        // write. Every slot starts as NaN here (`POISON_SHARED`, set on the thread that sets up
+        // the call); the results must stay those of unshared tiles. A guard for every kernel that
+        // reads slots: on this Zen 4, with no slot zeroed at all, the products still read only
+        // written elements.
+        let tiles = Tiles { br: 16, bc: 16 };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(16).build().expect("a thread pool");
+        for dtype in [DType::F32, DType::BF16] {
+            for causal in [Causal::None, Causal::BottomRight] {
+                let mut case = gqa_varlen_case(dtype, causal, None);
+                for dv in [24, 32] {
+                    case.dv = dv;
+                    let run = |share: bool| {
+                        pool.install(|| {
+                            forward::POISON_SHARED.set(share);
+                            let bits = match dtype {
+                                DType::BF16 => run_checked::<bf16>(&case, tiles, 0, share),
+                                _ => run_checked::<f32>(&case, tiles, 0, share),
+                            };
+                            forward::POISON_SHARED.set(false);
+                            bits
+                        })
+                    };
+                    let (clean, _) = run(false);
+                    let (dirty, packed) = run(true);
+                    assert!(packed > 0, "{case}: no key tile was shared on 16 threads");
+                    assert!(dirty == clean, "{case}: a dirty shared slot changed the results");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn f32_v_read_in_place_by_short_units_gives_the_packed_results() {
         // No GQA, fixed lengths, 16-row query tiles: on 16 threads every work unit is one query
         // tile of one head, which reads f32 V in place; on one thread a unit holds a head's seven
