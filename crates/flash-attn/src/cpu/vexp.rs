@@ -20,19 +20,19 @@
 //! flush-to-zero), takes a microcode assist of about a hundred cycles: the masked half of every
 //! causal diagonal tile took them, and on the Sapphire Rapids Xeon the exponentials of a causal
 //! forward ran 3× slower per element than a forward's without a mask
-//! (docs/cpu-performance.md, session 46). A probability below `2^-125` is below `2^-125` of the
-//! row's sum (whose largest term is 1) and below every rounding of the result.
+//! (docs/cpu-performance.md, session 46). A probability below `2^-125` is less than `2^-125` of
+//! its row's sum (whose largest term is 1), far below every rounding of the result.
 
 use super::gemm::Bf16Pair;
 use super::isa::Isa;
 use super::pairs::narrow_to_pairs;
 
-/// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)`, the polynomial of
-/// every SIMD path's `2^x` (AVX-512, AVX2, NEON).
 /// The least argument of every SIMD path's `2^x` with a nonzero result; below it the result is
 /// exactly 0 (see the module's notes). `2^-125 · 2^f`, `f ∈ [-½, ½]`, is still a normal float.
 pub(super) const EXP2_FLUSH: f32 = -125.0;
 
+/// `(ln 2)^k / k!` for k = 0..=7: Taylor coefficients of `2^f = e^(f ln 2)`, the polynomial of
+/// every SIMD path's `2^x` (AVX-512, AVX2, NEON).
 pub(super) const EXP2_TAYLOR: [f32; 8] = [
     1.0,
     std::f32::consts::LN_2,
