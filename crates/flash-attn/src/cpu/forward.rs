@@ -477,14 +477,15 @@ impl<T: Element> Context<'_, T> {
             let (kt, v) =
                 unsafe { (sh.kt.slice_mut(slot * sh.kt_len, sh.kt_len), sh.v.slice_mut(slot * sh.v_len, sh.v_len)) };
             let n = whole.len();
-            let whole_panels = full && n.is_multiple_of(PANEL_WIDTH);
-            if !whole_panels {
+            // Panels of 16 columns: whole when the tile is and `width` is a multiple of 16.
+            let whole_panels = |width: usize| full && width.is_multiple_of(PANEL_WIDTH);
+            if !whole_panels(n) {
                 kt.fill(0.0);
             }
             let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
             transpose_panels(self.isa, kt, k, ldk, n, g.d);
             if sh.v_len > 0 {
-                if !(full && g.dv.is_multiple_of(PANEL_WIDTH)) {
+                if !whole_panels(g.dv) {
                     v.fill(0.0);
                 }
                 let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
