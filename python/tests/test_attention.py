@@ -3,6 +3,7 @@ inputs seeded per case: forward, lse, backward, dropout, packed and varlen forms
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -302,3 +303,31 @@ def test_varlen_tokens_past_the_last_sequence_give_zero_and_minus_inf(device_dty
         out, lse, _ = fa.flash_attn_varlen_func(q, k, k, cu, cu, 20, 20, causal=True, return_attn_probs=True)
         assert torch.equal(out[30:].float(), torch.zeros(10, 2, 32, device=device))
         assert torch.isneginf(lse[:, 30:]).all()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_computes_what_its_parent_did():
+    # The parent's call starts the CPU backend's workers; a child forked after it has none of
+    # them, and must still finish (on its calling thread) with the same bits.
+    gen = torch.Generator().manual_seed(47)
+    q, k, v = _inputs(gen, "cpu", torch.float32, 1, 256, 256, 8, 8, 64, 64)
+    parent = fa.flash_attn_func(q, k, v, causal=True)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            child = fa.flash_attn_func(q, k, v, causal=True)
+            os.write(w, b"1" if torch.equal(child, parent) else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 120
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's forward did not finish")
+        time.sleep(0.02)
+    assert os.read(r, 1) == b"1"
+    os.close(r)

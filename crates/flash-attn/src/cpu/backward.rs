@@ -9,8 +9,6 @@
 //! every accumulation runs in a fixed order, so results are bitwise identical across runs and
 //! thread counts.
 
-use rayon::prelude::*;
-
 use super::blocking::{Strides, Tiles};
 use super::gemm::{gemm, gemm_bf16, gemm_bf16_ta, gemm_ta, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
@@ -484,15 +482,19 @@ pub(super) fn row_deltas<T: Element>(
     let mut delta = try_vec("D", g.lse_len(), 0.0f32)?;
     let sink = Sink::new(&mut delta);
     let pairs: Vec<(usize, usize)> = (0..g.seqs.len()).flat_map(|s| (0..g.hq).map(move |h| (s, h))).collect();
-    pairs.par_iter().for_each(|&(s, h)| {
-        let seq = &g.seqs[s];
-        for i in 0..seq.sq {
-            let (o, d_o) = (out.1.row(seq, seq.q_start, i, h), dout.1.row(seq, seq.q_start, i, h));
-            let sum = dot_f64(&out.0[o..o + g.dv], &dout.0[d_o..d_o + g.dv]) as f32;
-            // SAFETY: (seq, h, i) is visited by this pair alone; lse_index is in bounds.
-            unsafe { sink.write(g.lse_index(seq, h, i), sum) };
-        }
-    });
+    super::for_each_dynamic(
+        &pairs,
+        || (),
+        |_, &(s, h)| {
+            let seq = &g.seqs[s];
+            for i in 0..seq.sq {
+                let (o, d_o) = (out.1.row(seq, seq.q_start, i, h), dout.1.row(seq, seq.q_start, i, h));
+                let sum = dot_f64(&out.0[o..o + g.dv], &dout.0[d_o..d_o + g.dv]) as f32;
+                // SAFETY: (seq, h, i) is visited by this pair alone; lse_index is in bounds.
+                unsafe { sink.write(g.lse_index(seq, h, i), sum) };
+            }
+        },
+    );
     Ok(delta)
 }
 

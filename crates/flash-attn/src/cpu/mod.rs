@@ -1,5 +1,5 @@
 //! The CPU backend: tiled FlashAttention with an online softmax, parallel over
-//! `(sequence, head, query tile)` with rayon.
+//! `(sequence, head, query tile)` on the backend's workers (`pool`; rayon's thread count).
 //!
 //! Layers (STYLE.md): the schedule decides who computes which tile (this file), `blocking`
 //! decides the tile sizes, `forward` / `backward` are the per-tile loops of FlashAttention-2's
@@ -15,6 +15,7 @@ mod lanes;
 mod lines;
 mod pairs;
 pub mod peak;
+mod pool;
 mod softmax;
 mod tile;
 mod transpose;
@@ -31,8 +32,6 @@ pub use isa::Isa;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-
-use rayon::prelude::*;
 
 use crate::dtype::Element;
 use crate::error::{numel, try_vec, Error, Result};
@@ -84,29 +83,31 @@ impl<T> Sink<T> {
     }
 }
 
-/// Runs `work` on every item, in order of first availability, on one task per thread of the
-/// current rayon pool; each task builds its scratch once with `init` and reuses it for every item
-/// it takes (items are claimed from a shared counter, so long items listed first finish early).
+/// Runs `work` on every item, in order of first availability, on as many tasks as the current
+/// rayon pool has threads (`RAYON_NUM_THREADS`, or a pool the caller installed), run by the
+/// calling thread and the backend's own workers ([`pool::broadcast`], which stay awake a short
+/// while between calls); each task builds its scratch once with `init` and reuses it for every
+/// item it takes (items are claimed from a shared counter, so long items listed first finish
+/// early).
 ///
-/// (Tried on the Xeon, session 45: the calling thread as one of the tasks, which starts on the
-/// items at once while the pool's threads wake up: 0.92-0.95x on the 128² causal shapes; the
-/// cause, probably the pool thread it idles spinning on a busy core, was not measured.)
+/// (Session 45 tried the calling thread as one task of a rayon scope: 0.92-0.95x on the 128²
+/// causal shapes, probably a rayon thread left spinning on a busy core. Session 47's workers,
+/// caller included, replaced the scope: 1.03-1.41x on the Xeon, `docs/cpu-performance.md`.)
 fn for_each_dynamic<I: Sync, S>(items: &[I], init: impl Fn() -> S + Sync, work: impl Fn(&mut S, &I) + Sync) {
     let next = AtomicUsize::new(0);
     let tasks = rayon::current_num_threads().min(items.len());
-    rayon::scope(|scope| {
-        for _ in 0..tasks {
-            scope.spawn(|_| {
-                let mut scratch = init();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(item) = items.get(i) else { break };
-                    work(&mut scratch, item);
-                }
-            });
+    pool::broadcast(tasks, &|_| {
+        let mut scratch = init();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = items.get(i) else { break };
+            work(&mut scratch, item);
         }
     });
 }
+
+/// Query rows a work item of the backward's final dQ reduction covers.
+const DQ_ROWS: usize = 16;
 
 /// One unit of forward work: query tiles `tiles` of every query head that reads kv head
 /// `kv_head` of sequence `seq` (over key split `split` where the sequence is split). The heads
@@ -236,15 +237,16 @@ fn merge_splits<T: Element>(
     let dv = g.dv;
     let jobs: Vec<(usize, usize)> =
         (0..g.seqs.len()).filter(|&s| !splits[s].0.is_empty()).flat_map(|s| (0..g.hq).map(move |h| (s, h))).collect();
-    jobs.par_iter().for_each(|&(s, head)| {
+    for_each_dynamic(&jobs, Vec::new, |ws, &(s, head)| {
         let seq = &g.seqs[s];
         let (ranges, first) = &splits[s];
         let n = ranges.len();
-        let (mut o, mut ws) = (vec![0f32; dv], vec![0f32; n]);
+        let mut o = vec![0f32; dv];
+        ws.resize(n, 0f32);
         for i in 0..seq.sq {
             let at = first + (head * seq.sq + i) * n;
             let part = |sp: usize| &part_o[(at + sp) * dv..(at + sp + 1) * dv];
-            let row_lse = softmax::merge_row(part_lse[at..at + n].iter().copied(), part, &mut ws, &mut o);
+            let row_lse = softmax::merge_row(part_lse[at..at + n].iter().copied(), part, &mut ws[..n], &mut o);
             let dst = out_layout.row(seq, seq.q_start, i, head);
             // SAFETY: row (sequence, head, i) is written by this job alone (jobs are distinct
             // (sequence, head) pairs of split sequences, whose rows no forward unit wrote); its
@@ -506,10 +508,12 @@ fn backward_tiled<T: Element>(
     // unscaled: one pass over each dS tile fewer).
     let dq_sink = Sink::new(dq.data_mut());
     let (hq, d, total_q) = (g.hq, g.d, g.total_q);
-    (0..total_q).into_par_iter().for_each_init(
+    let rows: Vec<Range<usize>> = (0..total_q).step_by(DQ_ROWS).map(|t| t..(t + DQ_ROWS).min(total_q)).collect();
+    for_each_dynamic(
+        &rows,
         || vec![0.0f32; d],
-        |sum, t| {
-            for h in 0..hq {
+        |sum, rows| {
+            for (t, h) in rows.clone().flat_map(|t| (0..hq).map(move |h| (t, h))) {
                 // Row by row, so the additions vectorise; each element still sums 0 + chunk 0 +
                 // chunk 1 + … in that order.
                 sum.fill(0.0);
@@ -519,7 +523,7 @@ fn backward_tiled<T: Element>(
                 }
                 sum.iter_mut().for_each(|s| *s *= g.scale);
                 let at = t * dq_layout.token_stride + h * dq_layout.head_stride;
-                // SAFETY: token t is written by this iteration alone; its row of `d` elements
+                // SAFETY: token t is written by this item alone (items are disjoint row ranges); its row of `d` elements
                 // is contiguous inside the validated, non-overlapping `dq` view.
                 T::narrow_slice(sum, unsafe { dq_sink.slice_mut(at, d) });
             }
