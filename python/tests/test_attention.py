@@ -308,7 +308,9 @@ def test_varlen_tokens_past_the_last_sequence_give_zero_and_minus_inf(device_dty
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_computes_what_its_parent_did():
     # The parent's call starts the CPU backend's workers; a child forked after it has none of
-    # them, and must still finish (on its calling thread) with the same bits.
+    # them, and must still finish (on its calling thread) with the same bits. The child drops
+    # torch to one thread first, as DataLoader's workers do: torch's own OpenMP pool hangs a
+    # forked child whose parent used it (a float64 matmul alone hangs there).
     gen = torch.Generator().manual_seed(47)
     q, k, v = _inputs(gen, "cpu", torch.float32, 1, 256, 256, 8, 8, 64, 64)
     parent = fa.flash_attn_func(q, k, v, causal=True)
@@ -317,6 +319,7 @@ def test_a_forked_child_computes_what_its_parent_did():
     if pid == 0:
         try:
             os.close(r)
+            torch.set_num_threads(1)
             child = fa.flash_attn_func(q, k, v, causal=True)
             os.write(w, b"1" if torch.equal(child, parent) else b"0")
         finally:
