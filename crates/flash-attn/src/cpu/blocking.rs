@@ -32,7 +32,21 @@ pub struct Tiles {
 /// Tile sizes for head dims `d`, `dv`, given the longest query sequence and the number of
 /// `(sequence, head)` pairs to spread over `threads`.
 pub fn tiles(d: usize, dv: usize, max_sq: usize, pairs: usize, threads: usize) -> Tiles {
-    let bc = kv_tile(d, dv);
+    tiles_with_keys(kv_tile(d, dv), d, dv, max_sq, pairs, threads)
+}
+
+/// [`tiles`] for products on AMX tiles (`bf16` pairs): key tiles twice as wide, since a
+/// `bf16` key/value tile takes half the bytes of an `f32` one. Each tile product then runs twice
+/// as many `tdpbf16ps` per load and store of its output tiles (the `O` accumulator of `P·V`,
+/// loaded and stored once a key tile) and per tile configuration. Measured on the Xeon (session
+/// 47, `docs/cpu-performance.md`): 256 keys against 128, non-causal `bf16` forwards 1.09-1.19×,
+/// causal 512² 1.01×; 512 keys lost at 512² (0.84-0.87).
+pub fn amx_tiles(d: usize, dv: usize, max_sq: usize, pairs: usize, threads: usize) -> Tiles {
+    tiles_with_keys(2 * kv_tile(d, dv), d, dv, max_sq, pairs, threads)
+}
+
+/// [`tiles`] with key tiles of `bc`.
+fn tiles_with_keys(bc: usize, d: usize, dv: usize, max_sq: usize, pairs: usize, threads: usize) -> Tiles {
     // Query tile: as tall as the other half of the budget allows for Q_i, O_i and S_ij (up to
     // 256 rows), since every row shares the packing of each key/value tile; fewer rows when the
     // batch is too small to give every thread a few tiles.
@@ -145,6 +159,16 @@ mod tests {
                 assert!(t.bc == 32 || groups * sk.div_ceil(t.bc) >= 16 || t.bc == kv_tile(d, d), "{t:?}");
             }
         }
+    }
+
+    #[test]
+    fn amx_key_tiles_are_twice_the_f32_ones() {
+        for d in [16, 64, 128, 256, 512] {
+            let (f, a) = (tiles(d, d, 4096, 8, 16), amx_tiles(d, d, 4096, 8, 16));
+            assert_eq!(a.bc, 2 * f.bc, "d {d}");
+            assert!(a.br >= 16 && a.br <= f.br, "d {d}: {a:?} {f:?}");
+        }
+        assert_eq!(amx_tiles(128, 128, 512, 8, 16), Tiles { br: 64, bc: 256 });
     }
 
     #[test]

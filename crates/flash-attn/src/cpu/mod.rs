@@ -272,7 +272,13 @@ pub fn forward_into<T: Element>(
 ) -> Result<()> {
     let pairs = g.seqs.len() * g.hq;
     let masked = g.causal != crate::spec::Causal::None || g.window.is_some();
-    let mut tiles = blocking::tiles(g.d, g.dv, g.max_sq, pairs, rayon::current_num_threads());
+    let threads = rayon::current_num_threads();
+    let amx = Isa::resolve(g.cpu_isa).is_ok_and(Isa::amx) && pairs::bf16_bits(k.data()).is_some();
+    let mut tiles = if amx {
+        blocking::amx_tiles(g.d, g.dv, g.max_sq, pairs, threads)
+    } else {
+        blocking::tiles(g.d, g.dv, g.max_sq, pairs, threads)
+    };
     if masked {
         // Query tiles no taller than key tiles: a causal or windowed query tile visits the key
         // tiles its rows' spans reach, and a tall one drags its first rows over its last rows'
