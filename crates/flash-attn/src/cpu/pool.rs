@@ -40,7 +40,8 @@ fn spin_from(value: Option<&str>) -> Duration {
 /// Checks of the job word between two looks at the clock while spinning.
 const CHECKS_PER_CLOCK: u32 = 64;
 
-/// Task counts are packed into the low bits of the job word, so a pool has fewer workers.
+/// Task counts (workers + 1 at most) are packed into the low bits of the job word, so a pool has
+/// at most `2^TASK_BITS - 2` workers.
 const TASK_BITS: u32 = 16;
 
 /// The closure of the job in flight, with its lifetime erased (see [`broadcast`]'s SAFETY).
@@ -73,7 +74,8 @@ struct State {
 // SAFETY: every field but `job` is Sync; `job` is written only by the one caller holding
 // `Pool::busy` while `remaining` is 0 (no worker reads it then), and read by workers only between
 // an Acquire load of the `word` that the caller's Release store published after the write and
-// their Release decrement of `remaining`, which the caller Acquires before it writes again.
+// their Release decrement of `remaining`, which that caller Acquires before it clears `job` and
+// releases `busy` (the next caller's write comes after it takes `busy`).
 unsafe impl Sync for State {}
 // SAFETY: as above; the raw pointer is only dereferenced under that protocol.
 unsafe impl Send for State {}
@@ -99,7 +101,7 @@ fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let want = (cores - 1).min((1 << TASK_BITS) - 1);
+        let want = (cores - 1).min((1 << TASK_BITS) - 2);
         let state = Arc::new(State {
             spin: spin_from_env(),
             word: AtomicU64::new(0),
@@ -192,8 +194,9 @@ fn worker(st: &State, index: usize) {
 
 /// Runs `f(0)`, `f(1)`, …, `f(tasks - 1)` concurrently, `f(0)` on the calling thread, and
 /// returns when all have returned. A panic in any task is resumed on the caller after all tasks
-/// have finished. Tasks must not wait for one another: in a process forked from the one that
-/// started the workers (which has none of them) the tasks run one after another on the caller.
+/// have finished (the caller's payload first, else one worker's). Tasks must not wait for one
+/// another: in a process forked from the one that started the workers (which has none of them)
+/// the tasks run one after another on the caller, and a panic there ends the call at once.
 pub(crate) fn broadcast(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     if tasks <= 1 {
         if tasks == 1 {
