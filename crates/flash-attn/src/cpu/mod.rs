@@ -237,25 +237,28 @@ fn merge_splits<T: Element>(
     let dv = g.dv;
     let jobs: Vec<(usize, usize)> =
         (0..g.seqs.len()).filter(|&s| !splits[s].0.is_empty()).flat_map(|s| (0..g.hq).map(move |h| (s, h))).collect();
-    for_each_dynamic(&jobs, Vec::new, |ws, &(s, head)| {
-        let seq = &g.seqs[s];
-        let (ranges, first) = &splits[s];
-        let n = ranges.len();
-        let mut o = vec![0f32; dv];
-        ws.resize(n, 0f32);
-        for i in 0..seq.sq {
-            let at = first + (head * seq.sq + i) * n;
-            let part = |sp: usize| &part_o[(at + sp) * dv..(at + sp + 1) * dv];
-            let row_lse = softmax::merge_row(part_lse[at..at + n].iter().copied(), part, &mut ws[..n], &mut o);
-            let dst = out_layout.row(seq, seq.q_start, i, head);
-            // SAFETY: row (sequence, head, i) is written by this job alone (jobs are distinct
-            // (sequence, head) pairs of split sequences, whose rows no forward unit wrote); its
-            // `dv` elements are contiguous inside the validated `out` view.
-            T::narrow_slice(&o, unsafe { out.slice_mut(dst, dv) });
-            // SAFETY: as above, for the lse entry of (sequence, head, i).
-            unsafe { lse.write(g.lse_index(seq, head, i), row_lse) };
-        }
-    });
+    for_each_dynamic(
+        &jobs,
+        || (vec![0f32; dv], Vec::new()),
+        |(o, ws), &(s, head)| {
+            let seq = &g.seqs[s];
+            let (ranges, first) = &splits[s];
+            let n = ranges.len();
+            ws.resize(n, 0f32);
+            for i in 0..seq.sq {
+                let at = first + (head * seq.sq + i) * n;
+                let part = |sp: usize| &part_o[(at + sp) * dv..(at + sp + 1) * dv];
+                let row_lse = softmax::merge_row(part_lse[at..at + n].iter().copied(), part, &mut ws[..n], o);
+                let dst = out_layout.row(seq, seq.q_start, i, head);
+                // SAFETY: row (sequence, head, i) is written by this job alone (jobs are distinct
+                // (sequence, head) pairs of split sequences, whose rows no forward unit wrote); its
+                // `dv` elements are contiguous inside the validated `out` view.
+                T::narrow_slice(o, unsafe { out.slice_mut(dst, dv) });
+                // SAFETY: as above, for the lse entry of (sequence, head, i).
+                unsafe { lse.write(g.lse_index(seq, head, i), row_lse) };
+            }
+        },
+    );
 }
 
 pub use blocking::Tiles;
@@ -529,8 +532,9 @@ fn backward_tiled<T: Element>(
                 }
                 sum.iter_mut().for_each(|s| *s *= g.scale);
                 let at = t * dq_layout.token_stride + h * dq_layout.head_stride;
-                // SAFETY: token t is written by this item alone (items are disjoint row ranges); its row of `d` elements
-                // is contiguous inside the validated, non-overlapping `dq` view.
+                // SAFETY: token t is written by this item alone (items are disjoint row ranges);
+                // its row of `d` elements is contiguous inside the validated, non-overlapping `dq`
+                // view.
                 T::narrow_slice(sum, unsafe { dq_sink.slice_mut(at, d) });
             }
         },

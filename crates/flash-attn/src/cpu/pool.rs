@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 /// How long a worker (and a caller waiting for its workers) spins before it sleeps, in
 /// microseconds, unless `FLASH_ATTN_CPU_SPIN_US` says otherwise.
-pub(crate) const DEFAULT_SPIN_US: u64 = 300;
+const DEFAULT_SPIN_US: u64 = 300;
 
 /// The spin time: `FLASH_ATTN_CPU_SPIN_US` (whole microseconds; 0 sleeps at once) where it is
 /// set to a number, else [`DEFAULT_SPIN_US`]. Read once, when the pool starts.
