@@ -12,7 +12,8 @@
 //! cuda_bench sanitize [fp8|NAME]           a few small forward and backward launches (dropout,
 //!                                          deterministic), for compute-sanitizer (`fp8`: the FP8
 //!                                          forward's alone; NAME: the variants whose name has it, or
-//!                                          each part of `A+B`)
+//!                                          each part of `A+B`, after the FP8 cases unless NAME
+//!                                          names backward variants: `flash_bwd…`)
 //! cuda_bench bench-fp8 [--d 128] [--seqs ..] [--causal both] [--reps N]
 //!                                          the FP8 (e4m3) forward (both kernels) and the bf16
 //!                                          forward on the same shapes, one after another per rep
@@ -190,6 +191,11 @@ fn bwd_case<T: cuda::CudaElement>(
 /// mask it lacks dropped, its softcap and ALiBi on where it holds them.
 fn use_paths(c: &mut Case, extras: ExtraPaths) {
     c.retain_paths(extras.softcap, extras.alibi, extras.blocks);
+    // A block mask in every case of a variant holding that path: blocks of whole 16-row and
+    // 8-key groups (the kernels' one-byte-a-group path), unless the case drew one already.
+    if extras.blocks {
+        c.block.get_or_insert(BlockCase { block_q: 16, block_k: 32, per_head: true, density_pct: 50 });
+    }
     if extras.softcap {
         c.softcap.get_or_insert(12.0);
     }
@@ -204,7 +210,8 @@ fn sanitize(only: Option<&str>) -> Result<()> {
     let mut rng = Rng::new(7);
     let arch = cuda::default_device()?.arch().clone();
     // The FP8 forward (sm_90a): both tile widths, causal and not, GQA, lengths past a tile's end.
-    if arch.has_wgmma() {
+    // (Not when NAME picks backward variants alone.)
+    if arch.has_wgmma() && !only.is_some_and(|o| o.starts_with("flash_bwd")) {
         for (i, (d, causal)) in
             [(128, Causal::BottomRight), (80, Causal::None), (256, Causal::TopLeft)].into_iter().enumerate()
         {

@@ -819,15 +819,34 @@ struct FlashBwd {
 #else
         scores_t(s, sK, sQ, q_off, warp_key, lane);
 #endif
+        // A block mask whose blocks hold whole 8-query and 16-key groups (`BlockMask::aligned`) is
+        // read one byte an n-tile (8 queries) for the warp's 16 keys, the query block counted along
+        // the tile; others element by element. (Keys or queries past the end read no byte: the
+        // spans hide them.)
+        const bool aligned_blocks = FA_BLOCKS && !FULL && plane && p.block.aligned(8, 16);
+        u32 on_bits = ~0u;  // bit nt: the mask block of n-tile nt is on
+        if (FA_BLOCKS && aligned_blocks) {
+            on_bits = 0;
+            BlockMask::Walk w(row0 + q_off, 8, p.block.bq);
+            const unsigned char* qb = plane + (long long)((col0 + warp_key) / p.block.bk) * p.block.s_j +
+                                      (long long)w.block * p.block.s_i;
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                if (q_off + 8 * nt < rows_valid && col0 + warp_key < vis.sk && *qb != 0) on_bits |= 1u << nt;
+                if (w.next()) qb += p.block.s_i;
+            }
+        }
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt) {
             const float2 lv = ld_shared_f32x2(l_base + 32 * nt);
+            const bool on = (on_bits >> nt) & 1u;
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int col = q_off + 8 * nt + 2 * t + c;
                 const float l = c ? lv.y : lv.x;
                 int lo = 0, hi = 0;
                 if (!FULL && col < rows_valid) vis.span(row0 + col, lo, hi);
+                if (!on) hi = lo;  // the pair's mask block is off
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int key = col0 + warp_key + g + 8 * r;
@@ -842,7 +861,8 @@ struct FlashBwd {
                     }
                     float x = fast_exp2(e);
                     if (!FULL && (key < lo || key >= hi ||
-                                  (FA_BLOCKS && plane && !p.block.visible(plane, row0 + col, key))))
+                                  (FA_BLOCKS && plane && !aligned_blocks &&
+                                   !p.block.visible(plane, row0 + col, key))))
                         x = 0.f;
                     s[nt].x[2 * r + c] = x;
                 }

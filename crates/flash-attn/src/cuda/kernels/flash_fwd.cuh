@@ -170,10 +170,49 @@ struct FlashFwd {
     // Hides invisible (query, key) pairs of a Partial tile: s = -inf. `plane`: the block mask's
     // plane of this (sequence, head), or null; rows past the sequence end are hidden with it (their
     // mask row does not exist, and their output is never stored).
+    // A block mask whose blocks hold whole 16-row and 8-key groups (`BlockMask::aligned`: every
+    // power of two from 16 x 8 up, for one) is read one byte an n-tile and 16 rows, with the
+    // block index counted along the tile; others element by element.
     static __device__ __forceinline__ void apply_mask(FragC (&s)[MT][NT], const Visibility& vis,
                                                       const unsigned char* plane, const BlockMask& bm, int row0,
                                                       int col0, int lane) {
         int g = lane >> 2, t = lane & 3;
+        if (FA_BLOCKS && plane && bm.aligned(16, 8)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                // Rows row0 + 16·mt .. + 15 share one mask row (the group starts inside the
+                // sequence whenever any of its rows does; rows past the end are hidden below).
+                // Bit nt of `on`: the block of keys col0 + 8·nt .. + 7 (keys past the end read no
+                // byte: the span hides them).
+                const int r16 = row0 + 16 * mt;
+                const unsigned char* kb = plane + (long long)(min(r16, vis.sq - 1) / bm.bq) * bm.s_i;
+                u32 on = 0;
+                {
+                    BlockMask::Walk w(col0, 8, bm.bk);
+                    kb += (long long)w.block * bm.s_j;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        if (col0 + 8 * nt < vis.sk && *kb != 0) on |= 1u << nt;
+                        if (w.next()) kb += bm.s_j;
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int i = r16 + g + 8 * r;
+                    int lo, hi;
+                    vis.span(i, lo, hi);
+                    if (i >= vis.sq) hi = lo;  // a row past the end: nothing visible
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const int j = col0 + 8 * nt + 2 * t + c;
+                            if (!((on >> nt) & 1u) || j < lo || j >= hi) s[mt][nt].x[2 * r + c] = -FA_INF;
+                        }
+                }
+            }
+            return;
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

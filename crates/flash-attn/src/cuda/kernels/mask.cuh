@@ -58,6 +58,32 @@ struct BlockMask {
         return pl[(i / bq) * s_i + (j / bk) * s_j] != 0;
     }
 
+    // Whether every run of `rows` consecutive query rows starting at a multiple of `rows`, and
+    // every run of `cols` keys starting at a multiple of `cols`, lies in one mask block: then a
+    // whole fragment group (a warp's 16 rows, a thread's 8-key n-tile) shares one mask byte, and
+    // the kernels read one byte a group instead of dividing and reading for every element.
+    __device__ __forceinline__ bool aligned(int rows, int cols) const { return bq % rows == 0 && bk % cols == 0; }
+
+    // The mask blocks along a run of groups of `step` positions from `first` (a multiple of
+    // `step`, which divides the block size: a group never straddles two blocks), one group at a
+    // time: the block index advances by a counter, not a division (one division at the start).
+    struct Walk {
+        int block, rem, per_block;  // current block, groups already in it, groups a block
+        __device__ __forceinline__ Walk(int first, int step, int block_size) {
+            const int start = first / step;
+            per_block = block_size / step;
+            block = start / per_block;
+            rem = start - block * per_block;
+        }
+        // To the next group; true when it starts the next block.
+        __device__ __forceinline__ bool next() {
+            if (++rem < per_block) return false;
+            rem = 0;
+            ++block;
+            return true;
+        }
+    };
+
     // Whether any / every mask block under rows [r0, r1) x cols [c0, c1) (both non-empty) is on:
     // the tile is Skip when none is, and may be Full only when all are. Every thread of the block
     // calls it (two block-wide reductions), each reading a share of the mask blocks.
