@@ -146,7 +146,7 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
             let ws = cuda::WS_HEAD_DIMS.contains(&d);
             for e in std::iter::once(ExtraPaths::NONE).chain(every_extra_set()) {
                 let v = Variant::for_problem(&sm90a, dtype, d, e, true).expect("a forward variant");
-                let paths_ok = !e.any() || cuda::WS_EXTRAS.contains(&e);
+                let paths_ok = !e.any() || cuda::WS_EXTRAS.contains(&e) || e == cuda::WS_FWD_BLOCKS;
                 assert_eq!(v.ws, ws && paths_ok, "{} for d = {d}, {e:?}", v.name());
                 assert!(v.wgmma && v.d == d && v.extras == e, "{}", v.name());
                 if v.ws || !e.any() || ExtraPaths::gated().contains(&e) {
@@ -943,6 +943,41 @@ fn warp_specialised_dropout_and_softcap_meet_the_contract() {
                     let [q, k, v] = data.views();
                     let r = cuda::forward_host_variant(&c.spec(&data), &q, &k, &v, Some(variant)).map(|_| ());
                     assert!(matches!(&r, Err(Error::Unsupported(m)) if m.contains("optional paths")), "{r:?}");
+                }
+            }
+        }
+    }
+}
+
+/// The warp-specialised forward's block-mask variant (a pass lists each work item's key tiles
+/// with a visible mask block; the producer loads only those, the consumers mask the ones whose
+/// blocks are not all on), asked for by name at each width and through the default routing, on
+/// fixed-length problems of several query and key tiles: blocks that hold whole fragment groups
+/// and blocks that do not, densities from no block to every block, masks per head or broadcast,
+/// GQA, both causal rules and windows (Case::random's), against the f64 oracle.
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn warp_specialised_forward_with_block_masks_meets_the_contract() {
+    let dev = cuda::default_device().expect("a CUDA device");
+    if !dev.arch().has_wgmma() {
+        return;
+    }
+    let mut rng = Rng::new(0x5eed_0b10);
+    let sizes = [(16, 16), (64, 64), (128, 128), (16, 8), (32, 256), (3, 5), (200, 70), (128, 16)];
+    for (n, (block_q, block_k)) in sizes.into_iter().enumerate() {
+        for density_pct in [0, 25, 60, 100] {
+            let mut c = random_cuda_case(&mut rng);
+            let width = cuda::WS_HEAD_DIMS[(n + usize::from(density_pct)) % 3];
+            c.d = if rng.chance(0.5) { width } else { width - 8 * rng.range(1, 3) };
+            (c.dv, c.varlen, c.scale, c.softcap, c.alibi) = (c.d, false, None, None, None);
+            c.block = Some(BlockCase { block_q, block_k, per_head: rng.chance(0.5), density_pct });
+            let (sq, sk) = (rng.range(1, 700), rng.range(1, 700));
+            c.seqlens = vec![(sq, sk); c.seqlens.len()];
+            let variant = Variant::hopper_ws_extras_for(c.dtype, width, cuda::WS_FWD_BLOCKS).expect("a ws variant");
+            for v in [Some(variant), None] {
+                match c.dtype {
+                    DType::F16 => forward_variant_case::<f16>(&c, v),
+                    _ => forward_variant_case::<bf16>(&c, v),
                 }
             }
         }

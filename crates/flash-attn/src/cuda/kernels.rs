@@ -146,7 +146,7 @@ pub struct Variant {
     /// `flash_fwd_ws.cuh`: a TMA producer warpgroup, K and V rings of mbarrier-guarded stages,
     /// two consumer warpgroups (three at d = 64: [`Variant::three_groups`]) taking turns at the
     /// tensor cores, a persistent grid; `warps` counts the consumers). Fixed-length batches,
-    /// with no optional path or one of [`WS_EXTRAS`].
+    /// with no optional path, one of [`WS_EXTRAS`] or [`WS_FWD_BLOCKS`].
     pub ws: bool,
 }
 
@@ -172,6 +172,15 @@ pub const WS_EXTRAS: [ExtraPaths; 2] = [
     ExtraPaths { dropout: true, softcap: false, blocks: false, alibi: false },
     ExtraPaths { dropout: false, softcap: true, blocks: false, alibi: false },
 ];
+
+/// The optional-path set the warp-specialised forward (not the backward) is also compiled with:
+/// block masks alone. A pass before the forward lists each work item's key tiles with a visible
+/// mask block (`flash_fwd_ws_tiles`), so that the producer loads only those and the consumers
+/// mask only the tiles whose blocks are not all on.
+pub const WS_FWD_BLOCKS: ExtraPaths = ExtraPaths { dropout: false, softcap: false, blocks: true, alibi: false };
+
+/// Every optional-path set besides none the warp-specialised forward is compiled with.
+const WS_FWD_EXTRAS: [ExtraPaths; 3] = [WS_EXTRAS[0], WS_EXTRAS[1], WS_FWD_BLOCKS];
 
 /// Tile widths the backward kernels are compiled for. A warp's dK and dV rows live in registers;
 /// at 256 two warps (on Hopper two warpgroups) share the same keys, each holding half the
@@ -325,7 +334,9 @@ impl Variant {
     /// optional paths (1.1-1.46x the other Hopper kernel at 64 and 128, 1.31-1.47x at 96), with
     /// dropout alone (1.06-1.25x the other's dropout variant; 1.26-1.38x at 96) and with softcap
     /// alone (1.26-1.28x at 128, 1.30-1.40x at 96; at 64 1.01-1.05x the other kernel's 64-key
-    /// tiles since softcap runs on `tanh.approx`); docs/cuda-notes.md. Else
+    /// tiles since softcap runs on `tanh.approx`) and with a block mask alone (its tiles listed by
+    /// a pass before the forward, the empty ones never loaded: at bf16 4 × 16 × 4096², d 128 on an
+    /// H200 1.8-2.1× the other kernel's block-mask variant, session 49); docs/cuda-notes.md. Else
     /// [`Variant::extras_on`].
     pub fn for_problem(arch: &Arch, dtype: DType, d: usize, extras: ExtraPaths, ws_ok: bool) -> Option<Variant> {
         if arch.has_wgmma() && ws_ok {
@@ -359,14 +370,15 @@ impl Variant {
     /// 1024, session 43; 1.03-1.13x at 1152-1408, session 44), and 0.84-0.96x on causal ones
     /// ([`Variant::for_problem`] and the launcher choose; docs/cuda-notes.md, session 41).
     pub fn three_groups(&self) -> Option<Variant> {
-        (self.ws && self.d == 64 && !self.extras.softcap).then_some(Variant { warps: 12, ..*self })
+        (self.ws && self.d == 64 && !self.extras.softcap && !self.extras.blocks)
+            .then_some(Variant { warps: 12, ..*self })
     }
 
     /// The warp-specialised Hopper variant holding the optional paths `extras`, where it has
-    /// them: dropout alone or softcap alone ([`WS_EXTRAS`]); [`Variant::for_problem`] says where
-    /// they are the default.
+    /// them: dropout alone or softcap alone ([`WS_EXTRAS`]), block masks alone
+    /// ([`WS_FWD_BLOCKS`]); [`Variant::for_problem`] says where they are the default.
     pub fn hopper_ws_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<Variant> {
-        if !WS_EXTRAS.contains(&extras) {
+        if !WS_EXTRAS.contains(&extras) && extras != WS_FWD_BLOCKS {
             return None;
         }
         Variant::hopper_ws_for(dtype, d).map(|v| Variant { extras, ..v })
@@ -458,7 +470,7 @@ impl Variant {
                     v.push(h);
                     v.extend(ExtraPaths::gated().into_iter().filter_map(|x| Variant::hopper_extras_for(dtype, d, x)));
                     v.extend(Variant::hopper_ws_for(dtype, d));
-                    v.extend(WS_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)));
+                    v.extend(WS_FWD_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)));
                 }
             }
             for d in HEAD_DIMS {
@@ -481,7 +493,7 @@ impl Variant {
                     }
                     let ws: Vec<Variant> = Variant::hopper_ws_for(dtype, d)
                         .into_iter()
-                        .chain(WS_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)))
+                        .chain(WS_FWD_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)))
                         .collect();
                     v.extend(&ws);
                     v.extend(ws.iter().filter_map(Variant::three_groups));

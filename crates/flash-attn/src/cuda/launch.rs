@@ -395,7 +395,10 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
         .ok_or_else(|| Error::Unsupported(format!("no forward tile width for d = {}", g.d)))?;
     // The warp-specialised kernel takes fixed-length batches with keys and a positive scale (it
     // takes the row max of the raw scores and scales it after).
-    let ws_ok = !g.varlen && g.max_sk > 0 && g.scale > 0.0;
+    // With a block mask, its tile list (128-row items of 128-key tiles) within its budget.
+    let list_bytes = |g: &Geometry<'_>| 4 * g.max_sq.div_ceil(128) * g.seqs.len() * g.hq * ws_tile_stride(g, 128);
+    let ws_ok =
+        !g.varlen && g.max_sk > 0 && g.scale > 0.0 && (g.block.is_none() || list_bytes(g) <= WS_TILE_LIST_BUDGET);
     let variant = Variant::for_problem(arch, dtype, width, needs_extras(g), ws_ok)
         .ok_or_else(|| Error::Unsupported(format!("no forward kernel for {dtype}")))?;
     // Three consumer warpgroups where there are enough query rows to fill 192-row blocks: where
@@ -687,6 +690,10 @@ struct WsParams {
     f: Fp8FwdParams,
     /// The tile scheduler's counter: one `i32` on the device, zero at launch.
     next_item: u64,
+    /// The block-mask variant's tile list (`flash_fwd_ws_tiles` writes it), or 0.
+    tile_list: u64,
+    /// `i32`s a row of the tile list.
+    tile_stride: i64,
 }
 
 /// The warp-specialised kernels' tile-scheduler counter: one zeroed `i32` for one launch,
@@ -890,6 +897,8 @@ pub(crate) fn forward_fp8(
             f: params,
             // Zero: the fixed stride (the kernel built without the scheduler ignores it).
             next_item: counter_ptr,
+            tile_list: 0,
+            tile_stride: 0,
         };
         builder.arg(&ws_params);
     } else {
@@ -925,9 +934,21 @@ fn multiprocessors(dev: &Device) -> Result<usize> {
     Ok(usize::try_from(sms).unwrap_or(1).max(1))
 }
 
+/// `i32`s a row of the warp-specialised forward's tile list at key tiles of `bc`: a count and an
+/// entry for every key tile.
+fn ws_tile_stride(g: &Geometry<'_>, bc: usize) -> usize {
+    g.max_sk.div_ceil(bc) + 1
+}
+
+/// Most bytes of tile list ([`ws_tile_stride`] ints for each work item) a block-masked problem may
+/// take to run on the warp-specialised forward; past it, the other Hopper kernel (which
+/// classifies its tiles in place).
+const WS_TILE_LIST_BUDGET: usize = 256 << 20;
+
 /// The warp-specialised 16-bit forward ([`Variant::ws`]): TMA descriptors of q, k and v, the
 /// parameter block, the tile scheduler's counter, a persistent grid. Fixed-length batches with
-/// keys and a positive scale, with the optional paths the variant holds (dropout or softcap).
+/// keys and a positive scale, with the optional paths the variant holds (dropout, softcap or a
+/// block mask: then a pass before it lists each work item's key tiles with a visible block).
 #[allow(clippy::too_many_arguments)]
 fn forward_ws<T: CudaElement>(
     dev: &Device,
@@ -959,9 +980,13 @@ fn forward_ws<T: CudaElement>(
     check_alignment("k", kp, &g.k, elem)?;
     check_alignment("v", vp, &g.v, elem)?;
     check_alignment("out", op, &o_layout, elem)?;
+    // A block mask where the variant holds one (check_extras refused ALiBi).
+    let block_mask = upload_block_mask(dev, g)?;
+    let (block_ptr, _block_sync) = optional_ptr(block_mask.as_ref(), stream);
     let base = FwdParams {
-        // Softcap where the variant holds it (check_extras refused ALiBi and block masks).
+        // Softcap where the variant holds it.
         score_mod: ScoreMod::new(0, g.softcap, g.scale),
+        block: block_params(g, block_ptr)?,
         // Causal: L2-sized chunks of heads, longest query blocks first within each (fwd_item),
         // which the tile scheduler balances.
         longest_first: if g.causal == Causal::None { 0 } else { causal_chunk_heads(g) },
@@ -983,12 +1008,41 @@ fn forward_ws<T: CudaElement>(
         v: tensor_map_of("v", vp, elem, &[d, u(g.max_sk), u(g.hk), b], &bytes(&g.v), &[64, bc, 1, 1])?,
         f: Fp8FwdParams { base, v_descale: 1.0 },
         next_item: counter_ptr,
+        tile_list: 0,
+        tile_stride: 0,
+    };
+    // With a block mask: each item's key tiles with a visible block, listed by a pass of its own
+    // on the stream before the forward (its producer and consumers walk the list).
+    let mut list = None;
+    let params = if block_ptr == 0 {
+        params
+    } else {
+        let stride = ws_tile_stride(g, variant.bc);
+        let rows = num_m_blocks * g.seqs.len() * g.hq;
+        // SAFETY: `flash_fwd_ws_tiles` writes every row's count and the entries it counts, and the
+        // forward, after it on this stream, reads no others.
+        let buf = unsafe { stream.alloc::<i32>((rows * stride).max(1)) }
+            .map_err(|e| driver_error("alloc the block mask's tile list", e))?;
+        let list = list.insert(buf);
+        let (lp, _list_sync) = list.device_ptr_mut(stream);
+        let params = WsParams { tile_list: lp, tile_stride: stride as i64, ..params };
+        let tiles = dev.ws_tiles_function(variant)?;
+        let cfg =
+            LaunchConfig { grid_dim: (rows.div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let mut builder = stream.launch_builder(&tiles);
+        builder.arg(&params);
+        // SAFETY: the parameter block matches `WsParams`; the kernel reads the block mask (a live
+        // buffer the geometry validated for every (sequence, head, query block, key block)) and
+        // writes rows · stride ints of the list allocated above.
+        unsafe { builder.launch(cfg) }.map_err(|e| driver_error("launch flash_fwd_ws_tiles", e))?;
+        params
     };
     let cfg = LaunchConfig {
         grid_dim: (items.min(multiprocessors(dev)?) as u32, 1, 1),
         block_dim: (variant.threads() as u32, 1, 1),
         shared_mem_bytes: variant.smem_bytes() as u32,
     };
+    let (_, _list_sync) = optional_ptr_mut(list.as_mut(), stream);
     let mut builder = stream.launch_builder(f);
     builder.arg(&params);
     // SAFETY: the parameter block matches `WsParams`; the tensor maps describe q, k and v

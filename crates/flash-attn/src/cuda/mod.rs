@@ -50,7 +50,7 @@ use crate::{Gradients, Output};
 
 pub use kernels::{
     padded_head_dim, tile_width, BwdVariant, ExtraPaths, Fp8Variant, Variant, BWD_HEAD_DIMS, FP8_HEAD_DIMS, HEAD_DIMS,
-    HOPPER_HEAD_DIMS, WS_EXTRAS, WS_HEAD_DIMS,
+    HOPPER_HEAD_DIMS, WS_EXTRAS, WS_FWD_BLOCKS, WS_HEAD_DIMS,
 };
 pub use nvrtc::Arch;
 
@@ -154,6 +154,8 @@ pub struct Device {
     decode_functions: Arc<Mutex<HashMap<decode::DecodeVariant, decode::DecodeFunctions>>>,
     ring_functions: Arc<Mutex<HashMap<DType, ring::RingFunctions>>>,
     fp8_functions: Arc<Mutex<HashMap<Fp8Variant, launch::Fp8Functions>>>,
+    /// The tile-list pass of the warp-specialised forward's block-mask variants, by variant.
+    ws_tiles_functions: Arc<Mutex<HashMap<Variant, CudaFunction>>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -189,6 +191,7 @@ impl Device {
             decode_functions: Arc::default(),
             ring_functions: Arc::default(),
             fp8_functions: Arc::default(),
+            ws_tiles_functions: Arc::default(),
         })
     }
 
@@ -216,6 +219,7 @@ impl Device {
             decode_functions: self.decode_functions.clone(),
             ring_functions: self.ring_functions.clone(),
             fp8_functions: self.fp8_functions.clone(),
+            ws_tiles_functions: self.ws_tiles_functions.clone(),
         })
     }
 
@@ -246,9 +250,25 @@ impl Device {
         allow_dynamic_smem(&f, variant.smem_bytes())?;
         if variant.ws {
             check_ws_registers(&f, &variant.name(), variant.threads())?;
+            if variant.extras.blocks {
+                let tiles =
+                    module.load_function("flash_fwd_ws_tiles").map_err(|e| driver_error("cuModuleGetFunction", e))?;
+                self.ws_tiles_functions.lock().unwrap_or_else(|p| p.into_inner()).insert(*variant, tiles);
+            }
         }
         map.insert(*variant, f.clone());
         Ok(f)
+    }
+
+    /// The tile-list pass (`flash_fwd_ws_tiles`) of a warp-specialised block-mask `variant`,
+    /// loaded with the variant's forward.
+    pub(crate) fn ws_tiles_function(&self, variant: &Variant) -> Result<CudaFunction> {
+        let get = || self.ws_tiles_functions.lock().unwrap_or_else(|p| p.into_inner()).get(variant).cloned();
+        if let Some(f) = get() {
+            return Ok(f);
+        }
+        self.function(variant)?;
+        get().ok_or_else(|| Error::Unsupported(format!("variant {} has no tile-list pass", variant.name())))
     }
 
     /// The loaded FP8 forward kernels of `variant` (the forward and the V transpose it reads),

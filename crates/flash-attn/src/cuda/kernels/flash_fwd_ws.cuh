@@ -19,7 +19,17 @@ struct alignas(128) WsParams {
                 // 16-bit: V [b][sk][hk][d], boxes of 128 bytes x BC rows
     Fp8FwdParams f;
     int* next_item;  // the tile scheduler's counter, zero at launch (16-bit kernels); null: the stride
+    // FA_BLOCKS with a block mask: each work item's key tiles with a visible mask block, written by
+    // flash_fwd_ws_tiles (below); null otherwise. Row bh · num_m_blocks + m_block, tile_stride ints:
+    // the count, then the tiles in the order the item visits them (the key loop's, last first),
+    // each a tile index with WS_TILE_FULL set where every block under it is on.
+    int* tile_list;
+    long long tile_stride;
 };
+
+// The flag of a tile list entry (WsParams::tile_list) whose tile needs no mask: every mask block
+// under it is on and the interval rules hide nothing there.
+#define WS_TILE_FULL (1 << 30)
 
 // The products of the warp-specialised kernel, by input type: e4m3 (FlashFwdFp8Sm90's: V read
 // transposed from the Vᵀ planes, P as 8-bit A operands of 32 keys) or 16-bit (FlashFwdSm90's: V
@@ -176,11 +186,14 @@ struct FlashFwdWs {
     // changed with it); with two, 0.84-0.96x, also at 16k, and the same with the next item's Q
     // issued earlier by the producer (H100, session 42; docs/cuda-notes.md).
     static constexpr bool FUSE = GROUPS == 3;
+    static_assert(!(FUSE && FA_BLOCKS), "the fused turn masks the next item's first tile with this item's plane");
     static constexpr int TURN_THREADS = 256;
 
-    // One work item: a block of BR query rows of one (sequence, head) and its key tiles.
+    // One work item: a block of BR query rows of one (sequence, head) and its key tiles; `live`:
+    // its row of the tile list (FA_BLOCKS with a block mask), else null.
     struct Item {
         int b, h, hk, row0, rows_valid, n_end, tiles;
+        const int* live;
     };
     static __device__ __forceinline__ Item item_at(const FwdParams& p, const Visibility& vis0, int i) {
         int m_block, bh;
@@ -196,8 +209,39 @@ struct FlashFwdWs {
         const int n_begin = key_lo / BC;
         it.n_end = (key_hi + BC - 1) / BC;
         it.tiles = max(it.n_end - n_begin, 0);
+        it.live = nullptr;
         return it;
     }
+    // item_at, with the tile list's count where there is one (FA_BLOCKS: only the key tiles with a
+    // visible mask block are visited, by producer and consumers alike).
+    static __device__ __forceinline__ Item item_of(const WsParams& pp, const Visibility& vis0, int i) {
+        Item it = item_at(pp.f.base, vis0, i);
+        if constexpr (FA_BLOCKS && !E4M3) {
+            if (pp.tile_list != nullptr) {
+                int m_block, bh;
+                fwd_item(pp.f.base, i, m_block, bh);
+                it.live = pp.tile_list + (long long)(bh * pp.f.base.num_m_blocks + m_block) * pp.tile_stride;
+                it.tiles = it.live[0];
+            }
+        }
+        return it;
+    }
+    // The item's j-th key tile in visiting order: a tile list entry (a tile index, WS_TILE_FULL
+    // where it needs no mask), or without a list n_end - 1 - j.
+    static __device__ __forceinline__ int tile_entry(const int* live, int n_end, int j) {
+        if constexpr (FA_BLOCKS && !E4M3) {
+            if (live != nullptr) return live[1 + j];
+        }
+        return n_end - 1 - j;
+    }
+    // The tile index of a tile_entry, and its first key.
+    static __device__ __forceinline__ int entry_tile(int e) {
+        if constexpr (FA_BLOCKS && !E4M3)
+            return e & (WS_TILE_FULL - 1);
+        else
+            return e;
+    }
+    static __device__ __forceinline__ int entry_col(int e) { return entry_tile(e) * BC; }
 
     // A persistent grid (one block a multiprocessor) takes the items in order: block x first item
     // x, then (SCHEDULED, given a counter) whichever comes next when it asks, from an atomic
@@ -252,7 +296,7 @@ struct FlashFwdWs {
                             break;
                         }
                     }
-                    const Item w = item_at(p, vis, i);
+                    const Item w = item_of(pp, vis, i);
                     mbar_expect_tx(q_full, Q_BYTES);
 #pragma unroll
                     for (int c = 0; c < ROW_BLOCKS; ++c)
@@ -262,7 +306,7 @@ struct FlashFwdWs {
                     // cost it registers (the softcap variant at D = 128 has 24).
 #pragma unroll 1
                     for (int j = 0; j < w.tiles; ++j, ++it) {
-                        const int st = it % STAGES, n = w.n_end - 1 - j;
+                        const int st = it % STAGES, n = entry_tile(tile_entry(w.live, w.n_end, j));
                         const u32 round = (u32)((it / STAGES - 1) & 1);
                         const u32 k_full = bar_k_full + 8 * st, v_full = bar_v_full + 8 * st;
                         const u32 sKs = sK + (u32)(st * K_BYTES), sVs = sV + (u32)(st * V_BYTES);
@@ -417,20 +461,28 @@ struct FlashFwdWs {
                     row_sum[0] = row_sum[1] = 0.f;
                 }
                 int tiles, n_end, row0, rows_valid, bh;
+                const int* live;                   // the item's tile list row (FA_BLOCKS), or null
+                const unsigned char* plane = nullptr;  // its block mask plane, where it has a list
                 {
-                    const Item w = item_at(p, vis, item_index());
+                    const Item w = item_of(pp, vis, item_index());
                     tiles = w.tiles;
                     n_end = w.n_end;
                     row0 = w.row0;
                     rows_valid = w.rows_valid;
                     bh = w.b * p.hq + w.h;  // dropout's stream
+                    live = w.live;
+                    if constexpr (FA_BLOCKS && !E4M3)
+                        if (live != nullptr) plane = p.block.plane(w.b, w.h);
                 }
                 if (!S) mbar_wait(bar_q_full + 8 * qb, (u32)((qi / 2) & 1));
-                // Scores of the tile at col0 of the item at rows r0 .. r0 + valid - 1 to
-                // probabilities (softcap first, then the mask: a hidden score must end -inf), with
-                // `correction` for O; `rmax` and `rsum` the item's softmax state.
-                auto probabilities = [&](FragC (&s)[1][NT], int col0, float (&correction)[2], int r0, int valid,
+                // Scores of the tile of entry e (tile_entry) of the item at rows r0 .. r0 + valid - 1
+                // to probabilities (softcap first, then the mask: a hidden score must end -inf), with
+                // `correction` for O; `rmax` and `rsum` the item's softmax state. With a tile list
+                // (FA_BLOCKS), the entry says whether the tile needs the mask, which then reads the
+                // block mask's bytes (`plane`); else the interval rules decide.
+                auto probabilities = [&](FragC (&s)[1][NT], int e, float (&correction)[2], int r0, int valid,
                                          float (&rmax)[2], float (&rsum)[2]) {
+                    const int col0 = entry_col(e);
                     if constexpr (FA_SOFTCAP && !E4M3) {
                         if (capped) {
 #pragma unroll
@@ -439,8 +491,12 @@ struct FlashFwdWs {
                                 for (int e = 0; e < 4; ++e) s[0][nt].x[e] = tanh_approx(s[0][nt].x[e] * p.mod.tanh_scale);
                         }
                     }
-                    if (!vis.tile_full(r0, r0 + valid, col0, col0 + BC))
+                    if constexpr (FA_BLOCKS && !E4M3) {
+                        const bool full = live != nullptr ? (e & WS_TILE_FULL) != 0 : vis.tile_full(r0, r0 + valid, col0, col0 + BC);
+                        if (!full) Base::apply_mask(s, vis, plane, p.block, r0 + warp_row, col0, lane);
+                    } else if (!vis.tile_full(r0, r0 + valid, col0, col0 + BC)) {
                         Base::apply_mask(s, vis, nullptr, p.block, r0 + warp_row, col0, lane);
+                    }
                     ws_softmax_tile(s, rmax, rsum, scale_log2, correction);
                 };
                 // P of the tile at col0 as A operands of P·V, with dropout's keep mask on (after the
@@ -477,10 +533,11 @@ struct FlashFwdWs {
                         FragC s[1][NT];
                         scores_in_turn(s, it);
                         float correction[2];
-                        probabilities(s, (n_end - 1 - j) * BC, correction, row0, rows_valid, row_max, row_sum);
+                        const int e = tile_entry(live, n_end, j);
+                        probabilities(s, e, correction, row0, rows_valid, row_max, row_sum);
                         float corr[1][2] = {{correction[0], correction[1]}};
                         OnlineSoftmax<1>::rescale(o, corr);
-                        pack(pa, s, (n_end - 1 - j) * BC, row0, bh);
+                        pack(pa, s, entry_col(e), row0, bh);
                         const auto v_op = v_early(ring(it));
                         wait_v(it);
                         Mma::issue_pv(o, pa, v_late(v_op));
@@ -497,8 +554,9 @@ struct FlashFwdWs {
                         FragC s[1][NT];
                         scores_in_turn(s, it);
                         float correction[2];
-                        probabilities(s, (n_end - 1) * BC, correction, row0, rows_valid, row_max, row_sum);
-                        pack(pa, s, (n_end - 1) * BC, row0, bh);
+                        const int e = tile_entry(live, n_end, 0);
+                        probabilities(s, e, correction, row0, rows_valid, row_max, row_sum);
+                        pack(pa, s, entry_col(e), row0, bh);
                         ++it;
                     }
                     for (int j = 1; j < tiles; ++j, ++it) {
@@ -515,13 +573,14 @@ struct FlashFwdWs {
                         fence_operands(s[0]);
                         free_k(it);
                         float correction[2];
-                        probabilities(s, (n_end - 1 - j) * BC, correction, row0, rows_valid, row_max, row_sum);
+                        const int e = tile_entry(live, n_end, j);
+                        probabilities(s, e, correction, row0, rows_valid, row_max, row_sum);
                         wgmma_wait<0>();
                         Mma::pv_done(o, pa);
                         free_v(it - 1);
                         float corr[1][2] = {{correction[0], correction[1]}};
                         OnlineSoftmax<1>::rescale(o, corr);
-                        pack(pa, s, (n_end - 1 - j) * BC, row0, bh);
+                        pack(pa, s, entry_col(e), row0, bh);
                     }
                     // The next item, if any, and whether it sees a key tile: its Q is loaded while
                     // this item runs (two Q buffers), so its wait is usually already over.
@@ -533,7 +592,7 @@ struct FlashFwdWs {
                     }
                     Item nx{};
                     if (FUSE && next < items) {
-                        nx = item_at(p, vis, next);
+                        nx = item_of(pp, vis, next);
                         if (!S) mbar_wait(bar_q_full + 8 * nb, (u32)(((qi + 1) / 2) & 1));
                     }
                     const auto v_op = v_early(ring(it - 1));
@@ -554,11 +613,12 @@ struct FlashFwdWs {
                         fence_operands(s[0]);
                         free_k(it);
                         float correction[2];  // (O of the next item starts at zero)
-                        probabilities(s, (nx.n_end - 1) * BC, correction, nx.row0, nx.rows_valid, next_max, next_sum);
+                        probabilities(s, tile_entry(nx.live, nx.n_end, 0), correction, nx.row0, nx.rows_valid, next_max,
+                                      next_sum);
                         wgmma_wait<0>();
                         Mma::pv_done(o, pa);
                         free_v(it - 1);
-                        pack(pa, s, (nx.n_end - 1) * BC, nx.row0, nx.b * p.hq + nx.h);
+                        pack(pa, s, entry_col(tile_entry(nx.live, nx.n_end, 0)), nx.row0, nx.b * p.hq + nx.h);
                         ++it;
                         next_primed = true;
                     } else {
@@ -653,5 +713,50 @@ extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 + 128, 1) flash_fwd_w
     const u32 base = smem_addr(smem);
     FlashFwdWs<FA_D, FA_BC, FA_WARPS, FA_E4M3 != 0, FA_BF16 != 0>::run(p, smem + (((base + 1023u) & ~1023u) - base));
 }
+
+#if FA_BLOCKS && !FA_E4M3
+// The tile list of the warp-specialised forward under a block-sparse mask (WsParams::tile_list):
+// a warp per work item (rows row0 .. row0 + BR - 1 of one (sequence, head)), launched before the
+// forward on its stream. Of the key tiles the item's interval rules reach (item_at's), in the
+// order the forward visits them, the ones with at least one mask block on under the item's rows,
+// flagged WS_TILE_FULL where every block is on and the interval rules hide nothing either: the
+// forward's producer loads only those, and its consumers mask only the unflagged ones. Each lane
+// reads a share of a tile's mask bytes; the warp votes.
+extern "C" __global__ void __launch_bounds__(128) flash_fwd_ws_tiles(const __grid_constant__ WsParams pp) {
+    constexpr int BR = FlashFwdWs<FA_D, FA_BC, FA_WARPS, false, FA_BF16 != 0>::BR, BC = FA_BC;
+    const FwdParams& p = pp.f.base;
+    const int lane = threadIdx.x % 32;
+    const long long row = (long long)blockIdx.x * 4 + threadIdx.x / 32;  // bh · num_m_blocks + m_block
+    if (row >= (long long)p.num_m_blocks * p.batch * p.hq) return;
+    const int m_block = (int)(row % p.num_m_blocks), bh = (int)(row / p.num_m_blocks);
+    const Visibility vis{p.sq, p.sk, p.sk - p.sq, p.causal, p.window_left, p.window_right};
+    const BlockMask& bm = p.block;
+    const unsigned char* pl = bm.plane(bh / p.hq, bh % p.hq);
+    const int row0 = m_block * BR, rows = max(min(BR, p.sq - row0), 0);
+    int* out = pp.tile_list + row * pp.tile_stride;
+    int count = 0;
+    if (rows > 0) {
+        int lo, hi;
+        vis.key_range(row0, row0 + rows, lo, hi);
+        const int bi0 = row0 / bm.bq, nbi = (row0 + rows - 1) / bm.bq - bi0 + 1;
+        for (int n = (hi + BC - 1) / BC - 1; n >= lo / BC; --n) {
+            const int c0 = n * BC, c1 = min(p.sk, c0 + BC);
+            const int bj0 = c0 / bm.bk, nbj = (c1 - 1) / bm.bk - bj0 + 1;
+            bool any = false, all = true;
+            for (int x = lane; x < nbi * nbj; x += 32) {
+                const bool on = pl[(bi0 + x / nbj) * bm.s_i + (bj0 + x % nbj) * bm.s_j] != 0;
+                any |= on;
+                all &= on;
+            }
+            if (__any_sync(0xffffffffu, any)) {
+                const bool full = __all_sync(0xffffffffu, all) && vis.tile_full(row0, row0 + rows, c0, c0 + BC);
+                if (lane == 0) out[1 + count] = n | (full ? WS_TILE_FULL : 0);
+                ++count;
+            }
+        }
+    }
+    if (lane == 0) out[0] = count;
+}
+#endif
 
 #endif  // !FA_FWD_ENTRY && FA_WGMMA && FA_WS
