@@ -949,9 +949,10 @@ fn warp_specialised_dropout_and_softcap_meet_the_contract() {
     }
 }
 
-/// The warp-specialised forward's block-mask variant (a pass lists each work item's key tiles
+/// The warp-specialised forward's block-mask variants (a pass lists each work item's key tiles
 /// with a visible mask block; the producer loads only those, the consumers mask the ones whose
-/// blocks are not all on), asked for by name at each width and through the default routing, on
+/// blocks are not all on), on 128- and 64-key tiles, asked for by name at each width and through
+/// the default routing, on
 /// fixed-length problems of several query and key tiles: blocks that hold whole fragment groups
 /// and blocks that do not, densities from no block to every block, masks per head or broadcast,
 /// GQA, both causal rules and windows (Case::random's), against the f64 oracle.
@@ -973,8 +974,9 @@ fn warp_specialised_forward_with_block_masks_meets_the_contract() {
             c.block = Some(BlockCase { block_q, block_k, per_head: rng.chance(0.5), density_pct });
             let (sq, sk) = (rng.range(1, 700), rng.range(1, 700));
             c.seqlens = vec![(sq, sk); c.seqlens.len()];
-            let variant = Variant::hopper_ws_extras_for(c.dtype, width, cuda::WS_FWD_BLOCKS).expect("a ws variant");
-            for v in [Some(variant), None] {
+            let wide = Variant::hopper_ws_extras_for(c.dtype, width, cuda::WS_FWD_BLOCKS).expect("a ws variant");
+            let narrow = Variant::hopper_ws_narrow_blocks_for(c.dtype, width).expect("a narrow ws variant");
+            for v in [Some(wide), Some(narrow), None] {
                 match c.dtype {
                     DType::F16 => forward_variant_case::<f16>(&c, v),
                     _ => forward_variant_case::<bf16>(&c, v),

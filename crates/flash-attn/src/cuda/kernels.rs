@@ -384,6 +384,13 @@ impl Variant {
         Variant::hopper_ws_for(dtype, d).map(|v| Variant { extras, ..v })
     }
 
+    /// The warp-specialised block-mask variant ([`WS_FWD_BLOCKS`]) on key tiles of 64 instead of
+    /// 128, for masks whose blocks are 64 to 127 keys wide: a tile is skipped when every block
+    /// under its 128 rows and 64 keys is off, where a 128-key tile needs more blocks off.
+    pub fn hopper_ws_narrow_blocks_for(dtype: DType, d: usize) -> Option<Variant> {
+        Variant::hopper_ws_extras_for(dtype, d, WS_FWD_BLOCKS).map(|v| Variant { bc: 64, ..v })
+    }
+
     /// The variant used on `arch` for `dtype` and tile width `d` (one of [`HEAD_DIMS`], or on
     /// sm_90a of [`HOPPER_HEAD_DIMS`]: [`tile_width`]): the Hopper kernel where the target has
     /// warpgroup MMAs ([`Variant::hopper_for`]), else [`Variant::default_for`].
@@ -471,6 +478,7 @@ impl Variant {
                     v.extend(ExtraPaths::gated().into_iter().filter_map(|x| Variant::hopper_extras_for(dtype, d, x)));
                     v.extend(Variant::hopper_ws_for(dtype, d));
                     v.extend(WS_FWD_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)));
+                    v.extend(Variant::hopper_ws_narrow_blocks_for(dtype, d));
                 }
             }
             for d in HEAD_DIMS {
@@ -497,6 +505,7 @@ impl Variant {
                         .collect();
                     v.extend(&ws);
                     v.extend(ws.iter().filter_map(Variant::three_groups));
+                    v.extend(Variant::hopper_ws_narrow_blocks_for(dtype, d));
                 }
             }
         }

@@ -396,7 +396,7 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     // The warp-specialised kernel takes fixed-length batches with keys and a positive scale (it
     // takes the row max of the raw scores and scales it after).
     // With a block mask, its tile list (128-row items of 128-key tiles) within its budget.
-    let list_bytes = |g: &Geometry<'_>| 4 * g.max_sq.div_ceil(128) * g.seqs.len() * g.hq * ws_tile_stride(g, 128);
+    let list_bytes = |g: &Geometry<'_>| 4 * g.max_sq.div_ceil(128) * g.seqs.len() * g.hq * ws_tile_stride(g, 64);
     let ws_ok =
         !g.varlen && g.max_sk > 0 && g.scale > 0.0 && (g.block.is_none() || list_bytes(g) <= WS_TILE_LIST_BUDGET);
     let variant = Variant::for_problem(arch, dtype, width, needs_extras(g), ws_ok)
@@ -415,11 +415,26 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     } else {
         g.window.is_none() && variant.extras == ExtraPaths::NONE && g.max_sq >= THREE_GROUPS_CAUSAL_MIN_ROWS
     };
+    // Block masks of blocks 64 to 127 keys wide: key tiles of 64 on the warp-specialised kernel.
+    let narrow = variant.ws
+        && variant.extras == crate::cuda::WS_FWD_BLOCKS
+        && g.block.as_ref().is_some_and(|b| NARROW_TILE_BLOCK_KEYS.contains(&b.block_k));
+    if narrow {
+        return Ok(Variant { bc: 64, ..variant });
+    }
     Ok(match variant.three_groups() {
         Some(wide) if three => wide,
         _ => variant,
     })
 }
+
+/// Mask block widths (keys) for which a block-masked problem runs on the warp-specialised
+/// forward's 64-key tiles ([`Variant::hopper_ws_narrow_blocks_for`]). H200, bf16 4 × 16 × 4096²,
+/// d 128, forward (session 49, 2 rounds): 64 × 64 blocks at 25% 0.74 ms on 64-key tiles against
+/// 0.92 on 128 (a 64-key tile is skipped at 56% where a 128-key one at 32%), causal at 50% 0.59
+/// against 0.61; narrower blocks leave every tile partly on either way, and the narrow tiles
+/// then lose (32 × 32 at 25% 1.41 against 1.22, 16 × 16 1.54 against 1.22). 65-127: not measured.
+const NARROW_TILE_BLOCK_KEYS: std::ops::Range<usize> = 64..128;
 
 /// Query rows from which a problem without a causal rule, window or optional path runs on the
 /// warp-specialised forward's three consumer warpgroups ([`Variant::three_groups`]). H100, bf16,
@@ -492,14 +507,22 @@ fn fp8_scale_log2(g: &Geometry<'_>, scales: crate::Fp8Scales) -> f32 {
 
 /// A caller's kernel variant of the warp-specialised kind must have a shape its kernel is
 /// written for (two consumer warpgroups of 64 rows, 128 keys a tile, or three where
-/// `three_ok`: [`Variant::three_groups`]): another shape would leave it waiting for a producer or
-/// a warpgroup that does not exist, or spill.
-pub(crate) fn check_ws_shape(name: &str, ws: bool, warps: usize, mt: usize, bc: usize, three_ok: bool) -> Result<()> {
+/// `three_ok`: [`Variant::three_groups`]; 64 keys where `narrow_ok`:
+/// [`Variant::hopper_ws_narrow_blocks_for`]): another shape would leave it waiting for a producer
+/// or a warpgroup that does not exist, or spill.
+pub(crate) fn check_ws_shape(
+    name: &str,
+    ws: bool,
+    (warps, mt, bc): (usize, usize, usize),
+    three_ok: bool,
+    narrow_ok: bool,
+) -> Result<()> {
     let warps_ok = warps == 8 || (warps == 12 && three_ok);
-    if ws && (!warps_ok || mt != 1 || bc != 128) {
+    let bc_ok = bc == 128 || (bc == 64 && narrow_ok);
+    if ws && (!warps_ok || mt != 1 || !bc_ok) {
         return Err(Error::Unsupported(format!(
             "variant {name}: the warp-specialised kernel runs 8 consumer warps (12 at d = 64 without \
-             softcap, 16-bit inputs), 16 rows each, 128 keys a tile"
+             softcap, 16-bit inputs), 16 rows each, 128 keys a tile (64 with block masks alone)"
         )));
     }
     Ok(())
@@ -1462,6 +1485,15 @@ mod tests {
         assert!(name(8192, 64, plain().causal().dropout(0.1, 1, 0)).ends_with("_w8_h_xd_ws"));
         assert!(name(4096, 64, plain().window(64, 0)).ends_with("_w8_h_ws"));
         assert!(name(4096, 64, plain().softcap(30.0)).ends_with("_w8_h_xs_ws"));
+        // Block masks alone: the warp-specialised kernel, on 64-key tiles for blocks 64 to 127
+        // keys wide (never three warpgroups).
+        let mask = vec![1u8; 4096usize.div_ceil(16) * 4096usize.div_ceil(16)];
+        for (block_k, tile) in [(16, "_n128_"), (32, "_n128_"), (64, "_n64_"), (96, "_n64_"), (128, "_n128_")] {
+            let blocks = (4096usize.div_ceil(16), 4096usize.div_ceil(block_k));
+            let m = Tensor::new(&mask[..blocks.0 * blocks.1], &[blocks.0, blocks.1]);
+            let n = name(4096, 64, plain().block_mask(m, 16, block_k));
+            assert!(n.ends_with("_w8_h_xb_ws") && n.contains(tile), "{block_k}: {n}");
+        }
         assert!(name(4096, 128, plain()).ends_with("_w8_h_ws"));
         // A caller's variant: three warpgroups only where the shape exists.
         for (d, extras) in [(64, ExtraPaths::NONE), (128, ExtraPaths::NONE), (64, crate::cuda::WS_EXTRAS[1])] {
@@ -1469,10 +1501,16 @@ mod tests {
                 .or(Variant::hopper_ws_for(DType::BF16, d))
                 .expect("a ws variant");
             let three = Variant { warps: 12, ..two };
-            let ok = |v: Variant| check_ws_shape(&v.name(), v.ws, v.warps, v.mt, v.bc, v.three_groups() == Some(v));
+            let ok = |v: Variant| {
+                let narrow = Variant::hopper_ws_narrow_blocks_for(v.dtype, v.d) == Some(v);
+                check_ws_shape(&v.name(), v.ws, (v.warps, v.mt, v.bc), v.three_groups() == Some(v), narrow)
+            };
             assert!(ok(two).is_ok());
             assert_eq!(ok(three).is_ok(), d == 64 && !extras.softcap, "{}", three.name());
             assert!(ok(Variant { warps: 4, ..two }).is_err());
+            assert!(ok(Variant { bc: 64, ..two }).is_err());
+            let narrow = Variant::hopper_ws_narrow_blocks_for(DType::BF16, d).expect("a narrow ws variant");
+            assert!(ok(narrow).is_ok());
         }
     }
 

@@ -400,7 +400,9 @@ impl Device {
         let default = launch::supported(&g, T::DTYPE, &self.arch)?;
         let variant = variant.unwrap_or(default);
         let three_ok = variant.three_groups() == Some(variant);
-        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, variant.mt, variant.bc, three_ok)?;
+        let narrow_ok = Variant::hopper_ws_narrow_blocks_for(variant.dtype, variant.d) == Some(variant);
+        let shape = (variant.warps, variant.mt, variant.bc);
+        launch::check_ws_shape(&variant.name(), variant.ws, shape, three_ok, narrow_ok)?;
         // The tile width this head dim runs on in the caller's kernel family (the Hopper forward
         // has widths the mma.sync one lacks).
         let width = tile_width(g.d, false, variant.wgmma).unwrap_or(default.d);
@@ -458,7 +460,7 @@ impl Device {
         let (g, o_layout) = forward_geometry(spec, [q, k, v], out, lse.len())?;
         let default = launch::fp8_supported(&g, &self.arch, scales)?;
         let variant = variant.unwrap_or(default);
-        launch::check_ws_shape(&variant.name(), variant.ws, variant.warps, 1, variant.bc, false)?;
+        launch::check_ws_shape(&variant.name(), variant.ws, (variant.warps, 1, variant.bc), false, false)?;
         if variant.d != default.d {
             return Err(Error::Unsupported(format!(
                 "variant {} does not fit d = {} (tile width {})",
