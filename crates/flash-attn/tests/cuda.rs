@@ -146,7 +146,7 @@ fn hopper_variants_are_chosen_on_sm90a_only() {
             let ws = cuda::WS_HEAD_DIMS.contains(&d);
             for e in std::iter::once(ExtraPaths::NONE).chain(every_extra_set()) {
                 let v = Variant::for_problem(&sm90a, dtype, d, e, true).expect("a forward variant");
-                let paths_ok = !e.any() || cuda::WS_EXTRAS.contains(&e) || e == cuda::WS_FWD_BLOCKS;
+                let paths_ok = !e.any() || cuda::WS_EXTRAS.contains(&e) || e == cuda::WS_BLOCKS;
                 assert_eq!(v.ws, ws && paths_ok, "{} for d = {d}, {e:?}", v.name());
                 assert!(v.wgmma && v.d == d && v.extras == e, "{}", v.name());
                 if v.ws || !e.any() || ExtraPaths::gated().contains(&e) {
@@ -955,10 +955,11 @@ fn warp_specialised_dropout_and_softcap_meet_the_contract() {
 /// the default routing, on
 /// fixed-length problems of several query and key tiles: blocks that hold whole fragment groups
 /// and blocks that do not, densities from no block to every block, masks per head or broadcast,
-/// GQA, both causal rules and windows (Case::random's), against the f64 oracle.
+/// GQA, both causal rules and windows (Case::random's), against the f64 oracle; and the backward
+/// on the warp-specialised block-mask variant, whose pass lists each key tile's query tiles.
 #[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
-fn warp_specialised_forward_with_block_masks_meets_the_contract() {
+fn warp_specialised_kernels_with_block_masks_meet_the_contract() {
     let dev = cuda::default_device().expect("a CUDA device");
     if !dev.arch().has_wgmma() {
         return;
@@ -974,7 +975,7 @@ fn warp_specialised_forward_with_block_masks_meets_the_contract() {
             c.block = Some(BlockCase { block_q, block_k, per_head: rng.chance(0.5), density_pct });
             let (sq, sk) = (rng.range(1, 700), rng.range(1, 700));
             c.seqlens = vec![(sq, sk); c.seqlens.len()];
-            let wide = Variant::hopper_ws_extras_for(c.dtype, width, cuda::WS_FWD_BLOCKS).expect("a ws variant");
+            let wide = Variant::hopper_ws_extras_for(c.dtype, width, cuda::WS_BLOCKS).expect("a ws variant");
             let narrow = Variant::hopper_ws_narrow_blocks_for(c.dtype, width).expect("a narrow ws variant");
             for v in [Some(wide), Some(narrow), None] {
                 match c.dtype {
@@ -982,6 +983,9 @@ fn warp_specialised_forward_with_block_masks_meets_the_contract() {
                     _ => forward_variant_case::<bf16>(&c, v),
                 }
             }
+            // The backward's block-mask variant (its query tiles listed per key tile), through
+            // the default routing; deterministic mode (no list: every item masked) in a third.
+            backward_case_any(&c, None, None, n % 3 == 2);
         }
     }
 }

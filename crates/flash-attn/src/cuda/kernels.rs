@@ -146,7 +146,7 @@ pub struct Variant {
     /// `flash_fwd_ws.cuh`: a TMA producer warpgroup, K and V rings of mbarrier-guarded stages,
     /// two consumer warpgroups (three at d = 64: [`Variant::three_groups`]) taking turns at the
     /// tensor cores, a persistent grid; `warps` counts the consumers). Fixed-length batches,
-    /// with no optional path, one of [`WS_EXTRAS`] or [`WS_FWD_BLOCKS`].
+    /// with no optional path, one of [`WS_EXTRAS`] or [`WS_BLOCKS`].
     pub ws: bool,
 }
 
@@ -173,14 +173,15 @@ pub const WS_EXTRAS: [ExtraPaths; 2] = [
     ExtraPaths { dropout: false, softcap: true, blocks: false, alibi: false },
 ];
 
-/// The optional-path set the warp-specialised forward (not the backward) is also compiled with:
-/// block masks alone. A pass before the forward lists each work item's key tiles with a visible
-/// mask block (`flash_fwd_ws_tiles`), so that the producer loads only those and the consumers
-/// mask only the tiles whose blocks are not all on.
-pub const WS_FWD_BLOCKS: ExtraPaths = ExtraPaths { dropout: false, softcap: false, blocks: true, alibi: false };
+/// The other optional-path set the warp-specialised kernels (forward and backward) are compiled
+/// with: block masks alone. A pass before the kernel lists each work item's tiles with a visible
+/// mask block (`flash_fwd_ws_tiles`: the key tiles of a query block; `flash_bwd_ws_tiles`: the
+/// query tiles of a key tile), so that the producer loads only those and the consumers mask only
+/// the tiles whose blocks are not all on.
+pub const WS_BLOCKS: ExtraPaths = ExtraPaths { dropout: false, softcap: false, blocks: true, alibi: false };
 
-/// Every optional-path set besides none the warp-specialised forward is compiled with.
-const WS_FWD_EXTRAS: [ExtraPaths; 3] = [WS_EXTRAS[0], WS_EXTRAS[1], WS_FWD_BLOCKS];
+/// Every optional-path set besides none the warp-specialised kernels are compiled with.
+const WS_EXTRA_SETS: [ExtraPaths; 3] = [WS_EXTRAS[0], WS_EXTRAS[1], WS_BLOCKS];
 
 /// Tile widths the backward kernels are compiled for. A warp's dK and dV rows live in registers;
 /// at 256 two warps (on Hopper two warpgroups) share the same keys, each holding half the
@@ -376,19 +377,19 @@ impl Variant {
 
     /// The warp-specialised Hopper variant holding the optional paths `extras`, where it has
     /// them: dropout alone or softcap alone ([`WS_EXTRAS`]), block masks alone
-    /// ([`WS_FWD_BLOCKS`]); [`Variant::for_problem`] says where they are the default.
+    /// ([`WS_BLOCKS`]); [`Variant::for_problem`] says where they are the default.
     pub fn hopper_ws_extras_for(dtype: DType, d: usize, extras: ExtraPaths) -> Option<Variant> {
-        if !WS_EXTRAS.contains(&extras) && extras != WS_FWD_BLOCKS {
+        if !WS_EXTRAS.contains(&extras) && extras != WS_BLOCKS {
             return None;
         }
         Variant::hopper_ws_for(dtype, d).map(|v| Variant { extras, ..v })
     }
 
-    /// The warp-specialised block-mask variant ([`WS_FWD_BLOCKS`]) on key tiles of 64 instead of
+    /// The warp-specialised block-mask variant ([`WS_BLOCKS`]) on key tiles of 64 instead of
     /// 128, for masks whose blocks are 64 to 127 keys wide: a tile is skipped when every block
     /// under its 128 rows and 64 keys is off, where a 128-key tile needs more blocks off.
     pub fn hopper_ws_narrow_blocks_for(dtype: DType, d: usize) -> Option<Variant> {
-        Variant::hopper_ws_extras_for(dtype, d, WS_FWD_BLOCKS).map(|v| Variant { bc: 64, ..v })
+        Variant::hopper_ws_extras_for(dtype, d, WS_BLOCKS).map(|v| Variant { bc: 64, ..v })
     }
 
     /// The variant used on `arch` for `dtype` and tile width `d` (one of [`HEAD_DIMS`], or on
@@ -477,7 +478,7 @@ impl Variant {
                     v.push(h);
                     v.extend(ExtraPaths::gated().into_iter().filter_map(|x| Variant::hopper_extras_for(dtype, d, x)));
                     v.extend(Variant::hopper_ws_for(dtype, d));
-                    v.extend(WS_FWD_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)));
+                    v.extend(WS_EXTRA_SETS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)));
                     v.extend(Variant::hopper_ws_narrow_blocks_for(dtype, d));
                 }
             }
@@ -501,7 +502,7 @@ impl Variant {
                     }
                     let ws: Vec<Variant> = Variant::hopper_ws_for(dtype, d)
                         .into_iter()
-                        .chain(WS_FWD_EXTRAS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)))
+                        .chain(WS_EXTRA_SETS.into_iter().filter_map(|x| Variant::hopper_ws_extras_for(dtype, d, x)))
                         .collect();
                     v.extend(&ws);
                     v.extend(ws.iter().filter_map(Variant::three_groups));
@@ -721,7 +722,7 @@ impl BwdVariant {
         fixed_length: bool,
     ) -> Option<BwdVariant> {
         let v = BwdVariant::default_on(arch, dtype, d, extras)?;
-        let ws_paths = !extras.any() || WS_EXTRAS.contains(&extras);
+        let ws_paths = !extras.any() || WS_EXTRAS.contains(&extras) || extras == WS_BLOCKS;
         if !(fixed_length && v.wgmma && ws_paths && (d == 64 || d == 128)) {
             return Some(v);
         }
@@ -757,7 +758,7 @@ impl BwdVariant {
                         // Dropout alone, softcap alone (WS_EXTRAS): dropout at d = 64 on 64
                         // queries a tile (with 128 its keep bits spill 332 bytes). (Softcap at d =
                         // 64 on 64 queries measured 1.13-1.18x the time of 128: not built.)
-                        for e in WS_EXTRAS {
+                        for e in WS_EXTRA_SETS {
                             let br = if e.dropout && d == 64 { 64 } else { h.br };
                             v.push(BwdVariant { ws: true, extras: e, br, ..h });
                         }

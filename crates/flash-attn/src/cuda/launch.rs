@@ -363,6 +363,10 @@ struct BwdWsParams {
     base: BwdParams,
     /// The tile scheduler's counter: one `i32` of the scratch, zero at launch.
     next_tile: u64,
+    /// The block-mask variant's tile list (`flash_bwd_ws_tiles` writes it), or 0.
+    tile_list: u64,
+    /// `i32`s a row of the tile list.
+    tile_stride: i64,
 }
 
 // SAFETY: plain-old-data `#[repr(C)]`, mirrored by the kernel.
@@ -417,7 +421,7 @@ pub(crate) fn supported(g: &Geometry<'_>, dtype: DType, arch: &Arch) -> Result<V
     };
     // Block masks of blocks 64 to 127 keys wide: key tiles of 64 on the warp-specialised kernel.
     let narrow = variant.ws
-        && variant.extras == crate::cuda::WS_FWD_BLOCKS
+        && variant.extras == crate::cuda::WS_BLOCKS
         && g.block.as_ref().is_some_and(|b| NARROW_TILE_BLOCK_KEYS.contains(&b.block_k));
     if narrow {
         return Ok(Variant { bc: 64, ..variant });
@@ -545,7 +549,11 @@ pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType, arch: &Arch) ->
     let width = check_supported(g, dtype, true)?;
     // (No query rows: the other kernel, which only writes zero dk and dv, and needs no tensor map
     // of the empty q and dout.)
-    BwdVariant::for_problem(arch, dtype, width, needs_extras(g), !g.varlen && g.max_sq > 0)
+    // With a block mask, the warp-specialised kernel's tile list (an entry a query tile of 64 for
+    // each key tile of 128) within its budget.
+    let list_bytes = 4 * g.max_sk.div_ceil(128) * g.seqs.len() * g.hk * (g.max_sq.div_ceil(64) + 1);
+    let ws_ok = !g.varlen && g.max_sq > 0 && (g.block.is_none() || list_bytes <= WS_TILE_LIST_BUDGET);
+    BwdVariant::for_problem(arch, dtype, width, needs_extras(g), ws_ok)
         .ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
 }
 
@@ -1121,6 +1129,8 @@ pub(crate) struct BwdFunctions {
     pub prep: CudaFunction,
     pub main: CudaFunction,
     pub convert: CudaFunction,
+    /// The warp-specialised block-mask variants' tile-list pass (`flash_bwd_ws_tiles`).
+    pub ws_tiles: Option<CudaFunction>,
 }
 
 /// The inputs and outputs of one backward launch, checked against the geometry.
@@ -1188,11 +1198,8 @@ pub(crate) fn backward<T: CudaElement>(
     let elem = std::mem::size_of::<T>();
     let (br, bc) = (variant.br, variant.block_keys());
     let batch = g.seqs.len();
-    if variant.ws && (g.varlen || needs_extras(g).blocks) {
-        return Err(Error::Unsupported(format!(
-            "variant {} takes fixed-length batches without a block-sparse mask",
-            variant.name()
-        )));
+    if variant.ws && g.varlen {
+        return Err(Error::Unsupported(format!("variant {} takes fixed-length batches", variant.name())));
     }
     let num_m_blocks = g.max_sq.div_ceil(br).max(1);
     let num_n_blocks = g.max_sk.div_ceil(bc);
@@ -1331,7 +1338,9 @@ pub(crate) fn backward<T: CudaElement>(
             block_dim: (variant.threads() as u32, 1, 1),
             shared_mem_bytes: variant.smem_bytes() as u32,
         };
-        let ws_params;
+        let key_tiles = num_n_blocks * batch * g.hk;
+        let mut ws_params;
+        let mut tile_list = None;
         let mut b = stream.launch_builder(&f.main);
         if variant.ws {
             // TMA boxes of 64 columns (one 128-byte swizzle row) by a tile's rows: query tiles of
@@ -1359,7 +1368,33 @@ pub(crate) fn backward<T: CudaElement>(
                 )?,
                 base: params,
                 next_tile: base + scratch.counter_offset as u64,
+                tile_list: 0,
+                tile_stride: 0,
             };
+            // With a block mask (not in deterministic mode, where every key tile takes its turn
+            // on each query tile's dQ): each key tile's query tiles with a visible block, listed
+            // by a pass of its own before the backward.
+            if let (Some(tiles_fn), true, false) = (&f.ws_tiles, block_ptr != 0, deterministic) {
+                let stride = num_m_blocks + 1;
+                // SAFETY: `flash_bwd_ws_tiles` writes every row's count and the entries it counts,
+                // and the backward, after it on this stream, reads no others.
+                let buf = unsafe { stream.alloc::<i32>((key_tiles * stride).max(1)) }
+                    .map_err(|e| driver_error("alloc the block mask's tile list", e))?;
+                let list = tile_list.insert(buf);
+                let (lp, _list_sync) = list.device_ptr_mut(stream);
+                ws_params = BwdWsParams { tile_list: lp, tile_stride: stride as i64, ..ws_params };
+                let cfg = LaunchConfig {
+                    grid_dim: (key_tiles.div_ceil(4) as u32, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut tb = stream.launch_builder(tiles_fn);
+                tb.arg(&ws_params);
+                // SAFETY: the parameter block matches `BwdWsParams`; the pass reads the block mask
+                // (a live buffer the geometry validated) and writes key_tiles · stride ints of the
+                // list allocated above.
+                unsafe { tb.launch(cfg) }.map_err(|e| driver_error("launch flash_bwd_ws_tiles", e))?;
+            }
             b.arg(&ws_params);
         } else {
             b.arg(&params);
@@ -1534,6 +1569,13 @@ mod tests {
             assert!(name(d, plain().dropout(0.1, 1, 0), "sm_90a").ends_with("_r64_w8_h_ws_xd"));
             let br = if d == 64 { 128 } else { 64 };
             assert!(name(d, plain().softcap(30.0), "sm_90a").ends_with(&format!("_r{br}_w8_h_ws_xs")));
+            // A block mask alone: the warp-specialised kernel (deterministic too: without its
+            // tile list, every item masked), on the plain kernel's tile.
+            let mask = vec![1u8; 4];
+            let blocks = || plain().block_mask(Tensor::new(&mask, &[2, 2]), 32, 32);
+            assert!(name(d, blocks(), "sm_90a").ends_with(&format!("_r{br}_w8_h_ws_xb")));
+            assert!(name(d, blocks().deterministic(), "sm_90a").ends_with("_h_ws_xb"));
+            assert!(!name(d, blocks(), "sm_80").contains("_ws"));
             // Both, another optional path, or sm_80: the other kernels.
             assert!(!name(d, plain().dropout(0.1, 1, 0).softcap(30.0), "sm_90a").contains("_ws"));
             assert!(!name(d, plain().dropout(0.1, 1, 0), "sm_80").contains("_ws"));

@@ -50,7 +50,7 @@ use crate::{Gradients, Output};
 
 pub use kernels::{
     padded_head_dim, tile_width, BwdVariant, ExtraPaths, Fp8Variant, Variant, BWD_HEAD_DIMS, FP8_HEAD_DIMS, HEAD_DIMS,
-    HOPPER_HEAD_DIMS, WS_EXTRAS, WS_FWD_BLOCKS, WS_HEAD_DIMS,
+    HOPPER_HEAD_DIMS, WS_BLOCKS, WS_EXTRAS, WS_HEAD_DIMS,
 };
 pub use nvrtc::Arch;
 
@@ -309,6 +309,7 @@ impl Device {
             prep: load("flash_bwd_prep")?,
             main: load("flash_bwd")?,
             convert: load("flash_bwd_convert")?,
+            ws_tiles: if variant.ws && variant.extras.blocks { Some(load("flash_bwd_ws_tiles")?) } else { None },
         };
         allow_dynamic_smem(&f.main, variant.smem_bytes())?;
         if variant.ws {

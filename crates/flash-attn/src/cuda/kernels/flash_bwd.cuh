@@ -110,7 +110,15 @@ struct alignas(128) BwdWsParams {
     TmaDesc dq;  // dQaccum (f32) [b][sq][hq][FA_D]: boxes of 32 columns by a tile's rows, 128-byte swizzle
     BwdParams base;
     int* next_tile;  // the tile scheduler's counter, zero at launch
+    // FA_BLOCKS with a block mask, outside deterministic mode: each key tile's query tiles with a
+    // visible mask block for some query head of its group, written by flash_bwd_ws_tiles (below);
+    // null otherwise. Row `tile` (key_tile_coords' order), tile_stride ints: the count, then the
+    // query tiles in order, each with BWD_TILE_FULL set where every block under it is on for
+    // every head of the group, the interval rules hide nothing and every row is a real query.
+    int* tile_list;
+    long long tile_stride;
 };
+#define BWD_TILE_FULL (1 << 30)
 #endif
 
 // Position of flattened query token `tok` (b·sq + i for fixed length, the packed index for
@@ -268,9 +276,8 @@ struct FlashBwd {
     // `run` does; a producer warpgroup more loads K, V and each item's Q, dO by TMA and its lse, D
     // rows into a ring of STAGES buffers (2 in `run`), each with a "full" and an "empty" mbarrier.
     static constexpr bool WS = FA_BWD_WS != 0;
-    static_assert(!WS || (FA_WGMMA != 0 && WARPS == 8 && SPLIT == 1 && D % 64 == 0 && !FA_BLOCKS),
-                  "the warp-specialised kernel: two consumer warpgroups, tiles of whole 64-column TMA boxes, "
-                  "no block-sparse mask");
+    static_assert(!WS || (FA_WGMMA != 0 && WARPS == 8 && SPLIT == 1 && D % 64 == 0),
+                  "the warp-specialised kernel: two consumer warpgroups, tiles of whole 64-column TMA boxes");
     static constexpr int STAGES = WS ? FA_BWD_STAGES : 2;
     // Each product's operand descriptors built once and advanced by a 32-bit add per k-step
     // (`desc_plus`), not rebuilt from the address each step, in the warp-specialised kernel
@@ -1008,6 +1015,24 @@ struct FlashBwd {
         m = ld_shared_s32(info + 12) + (w - (int)q * n);
     }
 
+#if FA_BWD_WS
+    // item_at for the warp-specialised kernel: with a tile list (FA_BLOCKS), the item's query tile
+    // is the list's entry (row info[0], the key tile), which it returns (with BWD_TILE_FULL);
+    // else m as item_at's, and 0.
+    static __device__ __forceinline__ int item_at_ws(const BwdWsParams& pp, u32 info, int w, int& h, int& m) {
+        item_at(info, w, h, m);
+        if constexpr (FA_BLOCKS) {
+            if (pp.tile_list != nullptr) {
+                const int i = m - ld_shared_s32(info + 12);  // the item's place in its head's tiles
+                const int e = pp.tile_list[ld_shared_s32(info) * pp.tile_stride + 1 + i];
+                m = e & (BWD_TILE_FULL - 1);
+                return e;
+            }
+        }
+        return 0;
+    }
+#endif
+
     // The query tiles m_lo .. m_hi - 1 that see key tile n_block: those whose key range (as the
     // forward and the deterministic ordering compute it) covers it. Monotone spans make them
     // contiguous; none: m_lo >= m_hi.
@@ -1391,6 +1416,10 @@ struct FlashBwd {
                     key_tile_coords(p, tile, n_block, b, hkv);
                     query_tiles(vis, n_block, m_lo, m_hi);
                     per_head = max(m_hi - m_lo, 0);
+                    if constexpr (FA_BLOCKS) {
+                        // The tile list's count (its entries replace m_lo + i in item_at_ws).
+                        if (pp.tile_list != nullptr) per_head = pp.tile_list[tile * pp.tile_stride];
+                    }
                     if (per_head == 0) continue;
                     if (lane_id == 0) {
                         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(info), "r"(tile), "r"(b),
@@ -1434,7 +1463,7 @@ struct FlashBwd {
                     const int st = wg % STAGES;
                     if (wg >= STAGES) mbar_wait(bar_empty + 8 * st, (u32)((wg / STAGES - 1) & 1));
                     int h, m;
-                    item_at(info, w, h, m);
+                    item_at_ws(pp, info, w, h, m);
                     const int b = ld_shared_s32(info + 4);
                     const int row0 = m * BR, rows_valid = min(BR, p.sq - row0);
                     const u32 full = bar_full + 8 * st;
@@ -1485,7 +1514,7 @@ struct FlashBwd {
             for (int w = 0; w < work; ++w, ++wg) {
                 const int st = wg % STAGES;
                 int h, m;
-                item_at(info, w, h, m);
+                const int entry = item_at_ws(pp, info, w, h, m);
                 const int b = ld_shared_s32(info + 4), col0 = ld_shared_s32(info + 20) * BC;
                 const int sq = p.sq, off = p.sk - p.sq;
                 const int row0 = m * BR;
@@ -1497,10 +1526,19 @@ struct FlashBwd {
                 const u32 sDS = sDS0 + (u32)((wg & 1) * DS_BYTES);
                 const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
                 const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
+                // A block mask: its plane, and the tile list's word on whether the item needs it
+                // (without a list, deterministic mode, every item is masked).
+                const bool blocky = FA_BLOCKS && p.block.active();
+                const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
                 const ItemCtx ctx{&p,   sK,  sV,       sQ,   sDO, sDS, l_base, d_base, vis,  row0,  rows_valid,
                                   col0, off, warp_key, lane, g,   t,   b,      h,      tid,  uwarp,  0u,
-                                  modded, drop, slope, nullptr, 0u, 0};
-                const bool full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
+                                  modded, drop, slope, plane, 0u, 0};
+                bool full;
+                if constexpr (FA_BLOCKS)
+                    full = blocky ? pp.tile_list != nullptr && (entry & BWD_TILE_FULL) != 0
+                                  : rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
+                else
+                    full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
                 mbar_wait(bar_full + 8 * st, (u32)((wg / STAGES) & 1));
                 dispatch_item(ctx, full, dk, dv, dq);
                 // This thread's products and reads of the item are complete: once every consumer
@@ -1550,6 +1588,54 @@ struct FlashBwd {
     }
 #endif
 };
+
+#if FA_BWD_WS && FA_BLOCKS
+// The tile list of the warp-specialised backward under a block-sparse mask (BwdWsParams::tile_list):
+// a warp per key tile (key_tile_coords' order), launched before the backward on its stream. Of
+// the query tiles the interval rules let see the key tile (query_tiles'), in order, the ones with
+// a mask block on under them for at least one query head of the kv head's group, flagged
+// BWD_TILE_FULL where every block is on for every head, every row is a real query and the
+// interval rules hide nothing: the producer loads only those items, the consumers mask only the
+// unflagged ones. Each lane reads a share of the mask bytes; the warp votes.
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_ws_tiles(const __grid_constant__ BwdWsParams pp) {
+    using K = FlashBwd<FA_D, FA_BR, FA_WARPS, FA_BF16 != 0>;
+    constexpr int BR = FA_BR, BC = K::BC;
+    const BwdParams& p = pp.base;
+    const int lane = threadIdx.x % 32;
+    const long long row = (long long)blockIdx.x * 4 + threadIdx.x / 32;
+    if (row >= (long long)p.num_n_blocks * p.batch * p.hk) return;
+    int n_block, b, hkv;
+    key_tile_coords(p, (int)row, n_block, b, hkv);
+    const Visibility vis{p.sq, p.sk, p.sk - p.sq, p.causal, p.window_left, p.window_right};
+    int m_lo, m_hi;
+    K::query_tiles(vis, n_block, m_lo, m_hi);
+    const BlockMask& bm = p.block;
+    const int c0 = n_block * BC, c1 = min(p.sk, c0 + BC);
+    int* out = pp.tile_list + row * pp.tile_stride;
+    int count = 0;
+    if (c0 < c1) {
+        const int bj0 = c0 / bm.bk, nbj = (c1 - 1) / bm.bk - bj0 + 1;
+        for (int m = m_lo; m < m_hi; ++m) {
+            const int r0 = m * BR, r1 = min(p.sq, r0 + BR);
+            const int bi0 = r0 / bm.bq, nbi = (r1 - 1) / bm.bq - bi0 + 1, per_head = nbi * nbj;
+            bool any = false, all = true;
+            for (int x = lane; x < p.group * per_head; x += 32) {
+                const int hh = x / per_head, y = x - hh * per_head;
+                const unsigned char* pl = bm.plane(b, hkv * p.group + hh);
+                const bool on = pl[(bi0 + y / nbj) * bm.s_i + (bj0 + y % nbj) * bm.s_j] != 0;
+                any |= on;
+                all &= on;
+            }
+            if (__any_sync(0xffffffffu, any)) {
+                const bool full = __all_sync(0xffffffffu, all) && r1 - r0 == BR && vis.tile_full(r0, r1, c0, c0 + BC);
+                if (lane == 0) out[1 + count] = m | (full ? BWD_TILE_FULL : 0);
+                ++count;
+            }
+        }
+    }
+    if (lane == 0) out[0] = count;
+}
+#endif
 
 #if FA_BWD_WS
 // The consumer warpgroups and the producer warpgroup: one block per multiprocessor.
