@@ -760,6 +760,80 @@ fn backward_with_a_caller_workspace_equals_the_pooled_one() {
     assert!(matches!(run(Some(&mut short)), Err(Error::BufferLength { tensor: "workspace", .. })));
 }
 
+/// `Device::backward` writes every dk and dv row on caller buffers that held anything before,
+/// also the rows of key tiles no query sees (keys past a top-left causal diagonal; key tiles
+/// whose mask blocks are all off, which the warp-specialised backward's tile list leaves out):
+/// those rows exactly zero, the gradients within the contract.
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn backward_writes_dk_and_dv_of_key_tiles_no_query_sees() {
+    let dev = cuda::default_device().expect("a CUDA device");
+    let mut rng = Rng::new(0x5eed_0d17);
+    let (b, hq, hk, sq, sk) = (2usize, 4usize, 2usize, 200usize, 520usize);
+    // Blocks of 64 x 128: the third key block (keys 256-383) off for every query block.
+    let (bq, bk) = (64, 128);
+    let (nqb, nkb) = (sq.div_ceil(bq), sk.div_ceil(bk));
+    let mask: Vec<u8> = (0..nqb * nkb).map(|x| u8::from(x % nkb != 2 && (x % nkb == 0 || rng.chance(0.6)))).collect();
+    let stream = dev.stream();
+    for d in [64, 128] {
+        let mut r = |n: usize| (0..n).map(|_| bf16::from_f64(rng.normal())).collect::<Vec<_>>();
+        let (q, k, v, dout) = (r(b * sq * hq * d), r(b * sk * hk * d), r(b * sk * hk * d), r(b * sq * hq * d));
+        let (qs, ks) = ([b, sq, hq, d], [b, sk, hk, d]);
+        let unseen = |spec: &AttentionSpec<'_>, key: usize| match spec.causal_rule() {
+            Causal::TopLeft => key >= sq,
+            _ => key / bk == 2,
+        };
+        let specs = [
+            AttentionSpec::new().block_mask(Tensor::new(&mask, &[nqb, nkb]), bq, bk),
+            AttentionSpec::new().causal_top_left(),
+        ];
+        for spec in specs {
+            let (qh, kh, vh, doh) =
+                (Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &ks), Tensor::new(&dout, &qs));
+            let fwd = cuda::forward_host(&spec, &qh, &kh, &vh).expect("cuda forward");
+            let up = |x: &[bf16]| dev.upload(x).expect("upload");
+            let (qd, kd, vd, od, dod) = (up(&q), up(&k), up(&v), up(&fwd.out), up(&dout));
+            let lse = stream.clone_htod(&fwd.lse).expect("upload");
+            let junk = |n: usize| dev.upload(&vec![bf16::from_f32(7.0); n]).expect("upload");
+            let (mut gq, mut gk, mut gv) = (junk(q.len()), junk(k.len()), junk(v.len()));
+            dev.backward(
+                &spec,
+                &cuda::DeviceTensor::new(qd.as_view(), &qs),
+                &cuda::DeviceTensor::new(kd.as_view(), &ks),
+                &cuda::DeviceTensor::new(vd.as_view(), &ks),
+                &cuda::DeviceTensor::new(od.as_view(), &qs),
+                &lse.as_view(),
+                &cuda::DeviceTensor::new(dod.as_view(), &qs),
+                &mut cuda::DeviceTensorMut::new(gq.as_view_mut(), &qs),
+                &mut cuda::DeviceTensorMut::new(gk.as_view_mut(), &ks),
+                &mut cuda::DeviceTensorMut::new(gv.as_view_mut(), &ks),
+            )
+            .expect("cuda backward");
+            let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).expect("download");
+            let (dq, dk, dv) = (down(&gq), down(&gk), down(&gv));
+            let row = hk * d;
+            for (i, (a, c)) in dk.iter().zip(&dv).enumerate() {
+                if unseen(&spec, (i / row) % sk) {
+                    assert!(a.to_f32() == 0.0 && c.to_f32() == 0.0, "d {d} {spec:?}: dk/dv of an unseen key");
+                }
+            }
+            let oracle = reference::backward(&spec, &qh, &kh, &vh, &doh).expect("oracle");
+            let naive = reference::naive_backward(&spec, &qh, &kh, &vh, &doh).expect("naive");
+            let widen = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
+            let m = flash_attn::check::max_abs(&oracle.dq).max(flash_attn::check::max_abs(&oracle.dk));
+            let m = m.max(flash_attn::check::max_abs(&oracle.dv));
+            for (name, ours, o, n) in [
+                ("dq", &dq, &oracle.dq, &naive.dq),
+                ("dk", &dk, &oracle.dk, &naive.dk),
+                ("dv", &dv, &oracle.dv, &naive.dv),
+            ] {
+                let cmp = flash_attn::check::compare_gradient(&widen(ours), o, n, DType::BF16, m);
+                assert!(cmp.passed(), "d {d} {spec:?} {name}: {cmp}");
+            }
+        }
+    }
+}
+
 /// Varlen tokens past the last sequence get `out = 0` and `lse = -inf` (DESIGN §2) from
 /// `Device::forward` on caller buffers that held anything before, contiguous or strided.
 #[test]

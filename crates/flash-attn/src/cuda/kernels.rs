@@ -630,7 +630,8 @@ impl BwdVariant {
     ///
     /// The warp-specialised kernel's producer warp runs on 24 registers (`setmaxnreg`, which
     /// leaves the consumers 240): ptxas spills a few of its per-tile scalars (the scheduler's
-    /// loop bounds, hoisted out of the tile loop) there, 4 B at d = 128 and 24 B at d = 64, one
+    /// loop bounds, hoisted out of the tile loop) there, 8 B at d = 64 and none at d = 128 (24 and
+    /// 4 before the producer passed tiles no query sees on to the consumers, session 49), one
     /// warp's loads and stores once a tile; the consumers spill nothing. Its budget is 32 B.
     pub fn spill_budget(&self) -> u32 {
         if self.ws {

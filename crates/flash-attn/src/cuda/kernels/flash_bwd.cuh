@@ -1406,7 +1406,7 @@ struct FlashBwd {
             int wg = 0;     // items so far: the ring's phases
 #pragma unroll 1
             for (int tile = claim();; tile = claim()) {
-                // The tile's items (none: the next tile), into the slot of its K/V load. (The
+                // The tile's items (none: its dK and dV are written zero), into the slot of its K/V load. (The
                 // consumers read that slot last for load `loads` - 2, whose tile they finished
                 // before the producer's wait on "K/V empty" for load `loads` - 1.)
                 const u32 info = tile_slot + (u32)(32 * (loads & 1));
@@ -1420,7 +1420,6 @@ struct FlashBwd {
                         // The tile list's count (its entries replace m_lo + i in item_at_ws).
                         if (pp.tile_list != nullptr) per_head = pp.tile_list[tile * pp.tile_stride];
                     }
-                    if (per_head == 0) continue;
                     if (lane_id == 0) {
                         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(info), "r"(tile), "r"(b),
                                      "r"(hkv * p.group), "r"(m_lo)
@@ -1439,7 +1438,7 @@ struct FlashBwd {
                 auto load_kv = [&]() {
                     if (loads > 0) mbar_wait(bar_kv_empty, (u32)((loads - 1) & 1));
                     if (lane_id == 0) {
-                        if (tile < tiles) {
+                        if (tile < tiles && per_head > 0) {
                             const int b = ld_shared_s32(info + 4), col0 = ld_shared_s32(info + 20) * BC,
                                       hkv = ld_shared_s32(info + 24);
                             mbar_expect_tx(bar_kv, 2 * KV_BYTES);
@@ -1457,6 +1456,13 @@ struct FlashBwd {
                 if (tile >= tiles) {
                     load_kv();
                     break;
+                }
+                if (per_head == 0) {
+                    // No query sees the tile (its keys are past every query's span, or every mask
+                    // block over it is off): no K or V, a bare arrival; the consumers write its dK
+                    // and dV rows, zero (the caller's buffers may hold anything).
+                    load_kv();
+                    continue;
                 }
 #pragma unroll 1
                 for (int w = 0; w < per_head * p.group; ++w, ++wg) {
@@ -1508,7 +1514,7 @@ struct FlashBwd {
             mbar_wait(bar_kv, (u32)(j & 1));
             const u32 info = tile_slot + (u32)(32 * (j & 1));
             if (ld_shared_s32(info) < 0) break;
-            const int work = ld_shared_s32(info + 16) * p.group;  // > 0: no tile without items is loaded
+            const int work = ld_shared_s32(info + 16) * p.group;  // 0: a tile no query sees (dK, dV zero)
             zero_accumulators(dk, dv, dq);
 #pragma unroll 1
             for (int w = 0; w < work; ++w, ++wg) {
