@@ -533,8 +533,10 @@ pub struct BwdVariant {
     /// Whether this is the warp-specialised Hopper kernel (`FA_BWD_WS`: a producer warpgroup
     /// more, loading each work item's tiles by TMA into a ring of mbarrier-guarded buffers and
     /// adding each item's dQ tile to the accumulator by TMA reductions, the `warps` consumer warps
-    /// without a block-wide barrier an item): `wgmma`, 8 warps, tile widths 64 and 128,
-    /// fixed-length batches, no block-sparse mask.
+    /// without a block-wide barrier an item): `wgmma`, 8 warps, fixed-length batches, tile widths
+    /// 64 and 128 (block-sparse masks, dropout or softcap as built) and 256 (the split kernel,
+    /// [`BwdVariant::split`]: no optional path, and its consumers add dQ with `red`, there being
+    /// no room for a dQ tile).
     pub ws: bool,
 }
 
@@ -588,10 +590,19 @@ impl BwdVariant {
         let bc = self.block_keys();
         let align = if self.wgmma { 1024 } else { 0 };
         let ds_buffers = if self.defers_dq() || self.ws { 2 } else { 1 };
-        let p_buffers = usize::from(self.split() > 1);
+        // Pᵀ where warps share keys: two buffers in the warp-specialised kernel, like dSᵀ.
+        let p_buffers = if self.split() == 1 {
+            0
+        } else if self.ws {
+            2
+        } else {
+            1
+        };
         let stages = self.stages();
-        // The warp-specialised kernel's f32 dQ tile and mbarriers.
-        let (dq_tile, barriers) = if self.ws { (self.br * self.d * 4, 8 * (4 + 2 * stages)) } else { (0, 0) };
+        // The warp-specialised kernel's f32 dQ tile (not in the split one: no room, its consumers
+        // add dQ with `red`) and mbarriers.
+        let dq_tile = if self.ws && self.split() == 1 { self.br * self.d * 4 } else { 0 };
+        let barriers = if self.ws { 8 * (4 + 2 * stages) } else { 0 };
         2 * bc * self.d * 2
             + 2 * stages * self.br * self.d * 2
             + (ds_buffers + p_buffers) * bc * self.br * 2
@@ -630,7 +641,7 @@ impl BwdVariant {
     ///
     /// The warp-specialised kernel's producer warp runs on 24 registers (`setmaxnreg`, which
     /// leaves the consumers 240): ptxas spills a few of its per-tile scalars (the scheduler's
-    /// loop bounds, hoisted out of the tile loop) there, 8 B at d = 64 and none at d = 128 (24 and
+    /// loop bounds, hoisted out of the tile loop) there, 8 B at d = 64 and none at d = 128 or 256 (24 and
     /// 4 before the producer passed tiles no query sees on to the consumers, session 49), one
     /// warp's loads and stores once a tile; the consumers spill nothing. Its budget is 32 B.
     pub fn spill_budget(&self) -> u32 {
@@ -714,7 +725,8 @@ impl BwdVariant {
     /// (`fixed_length`) at tile widths 64 and 128, with no optional path (measured 1.11-1.34x the
     /// other Hopper kernel's backward on an H100, docs/cuda-notes.md) or with dropout alone or
     /// softcap alone ([`WS_EXTRAS`]; measured 1.09-1.44x the other Hopper kernels' backward on an
-    /// H100; dropout at d = 64 on 64 queries a tile, where 128 spill its keep bits).
+    /// H100; dropout at d = 64 on 64 queries a tile, where 128 spill its keep bits); at tile
+    /// width 256 with no optional path (the split kernel: 1.05-1.14x on an H200, session 51).
     pub fn for_problem(
         arch: &Arch,
         dtype: DType,
@@ -724,7 +736,9 @@ impl BwdVariant {
     ) -> Option<BwdVariant> {
         let v = BwdVariant::default_on(arch, dtype, d, extras)?;
         let ws_paths = !extras.any() || WS_EXTRAS.contains(&extras) || extras == WS_BLOCKS;
-        if !(fixed_length && v.wgmma && ws_paths && (d == 64 || d == 128)) {
+        // d = 256 (the split kernel): with no optional path only.
+        let ws_width = d == 64 || d == 128 || (d == 256 && !extras.any());
+        if !(fixed_length && v.wgmma && ws_paths && ws_width) {
             return Some(v);
         }
         let h = BwdVariant::hopper_for(dtype, d)?;
@@ -763,6 +777,10 @@ impl BwdVariant {
                             let br = if e.dropout && d == 64 { 64 } else { h.br };
                             v.push(BwdVariant { ws: true, extras: e, br, ..h });
                         }
+                    }
+                    // d = 256: the two consumer warpgroups share 64 keys ([`BwdVariant::split`]).
+                    if d == 256 {
+                        v.push(BwdVariant { ws: true, ..h });
                     }
                     // One warpgroup per block, 64 queries (two blocks per multiprocessor); not at
                     // d = 256, where two warpgroups split the columns.

@@ -1596,9 +1596,17 @@ mod tests {
                 }
             }
         }
-        // Head dims the 128 tile pads take it too (its TMA boxes read zeros past d); 256 does not.
+        // Head dims the 128 tile pads take it too (its TMA boxes read zeros past d).
         assert!(name(96, plain(), "sm_90a").ends_with("_d128_r64_w8_h_ws"), "{}", name(96, plain(), "sm_90a"));
-        assert!(!name(256, plain(), "sm_90a").contains("_ws"));
+        // Tile width 256 (the split kernel: two warpgroups on the same 64 keys), d 160 padded to
+        // it too, with no optional path only, deterministic or not; not on sm_80.
+        for d in [160, 256] {
+            assert!(name(d, plain(), "sm_90a").ends_with("_d256_r64_w8_h_ws"), "{}", name(d, plain(), "sm_90a"));
+            assert!(name(d, plain().deterministic(), "sm_90a").ends_with("_d256_r64_w8_h_ws"));
+            assert!(!name(d, plain().dropout(0.1, 1, 0), "sm_90a").contains("_ws"));
+            assert!(!name(d, plain().softcap(30.0), "sm_90a").contains("_ws"));
+            assert!(!name(d, plain(), "sm_80").contains("_ws"));
+        }
         // No query rows: the other Hopper kernel (it writes zero dk and dv; no tensor map of q).
         let (xq, xk) = (vec![(); 0], vec![(); b * s * h * 64]);
         let (tq, tk) = (Tensor::new(&xq, &[b, 0, h, 64]), Tensor::new(&xk, &[b, s, h, 64]));

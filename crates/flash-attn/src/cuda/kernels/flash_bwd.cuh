@@ -258,7 +258,7 @@ struct FlashBwd {
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int DS_BYTES = BC * BR * 2;
     static constexpr int ROW_BYTES = BR * 4;
-    static constexpr int P_BYTES = SPLIT > 1 ? BC * BR * 2 : 0;  // Pᵀ (SPLIT)
+    static constexpr int P_BYTES = SPLIT > 1 ? BC * BR * 2 : 0;  // Pᵀ (SPLIT), a buffer
     // Query slices of the dPᵀ / dSᵀ / dK phase: more slices, fewer live dPᵀ registers, more
     // reads of V. An experiment knob (FA_PARTS, default 1): 2 measured no faster (v3 notes).
     static constexpr int PARTS = FA_PARTS;
@@ -276,8 +276,9 @@ struct FlashBwd {
     // `run` does; a producer warpgroup more loads K, V and each item's Q, dO by TMA and its lse, D
     // rows into a ring of STAGES buffers (2 in `run`), each with a "full" and an "empty" mbarrier.
     static constexpr bool WS = FA_BWD_WS != 0;
-    static_assert(!WS || (FA_WGMMA != 0 && WARPS == 8 && SPLIT == 1 && D % 64 == 0),
-                  "the warp-specialised kernel: two consumer warpgroups, tiles of whole 64-column TMA boxes");
+    static_assert(!WS || (FA_WGMMA != 0 && WARPS == 8 && D % 64 == 0 && (SPLIT == 1 || !FA_BLOCKS)),
+                  "the warp-specialised kernel: two consumer warpgroups, tiles of whole 64-column TMA boxes "
+                  "(split: no block-sparse mask)");
     static constexpr int STAGES = WS ? FA_BWD_STAGES : 2;
     // Each product's operand descriptors built once and advanced by a 32-bit add per k-step
     // (`desc_plus`), not rebuilt from the address each step, in the warp-specialised kernel
@@ -287,19 +288,25 @@ struct FlashBwd {
     static constexpr bool DESC_PLUS = WS;
     static_assert(STAGES >= 2, "a ring of at least two buffers");
     static constexpr int CONSUMERS = THREADS;  // the threads that run the items
-    // K, V | Q[STAGES], dO[STAGES] | dSᵀ[DS_BUFS] | Pᵀ (SPLIT) | lse[STAGES], D[STAGES]
+    // K, V | Q[STAGES], dO[STAGES] | dSᵀ[DS_BUFS] | Pᵀ[P_BUFS] (SPLIT) | lse[STAGES], D[STAGES]
     // | WS: the f32 dQ tile (D / 32 column blocks of BR rows of 128 bytes, the 128-byte swizzle:
     // the TMA's boxes), the mbarriers (K and V full and empty; each stage's full and empty; dQ
-    // full and empty)
-    static constexpr int DQ_BYTES = WS ? BR * D * 4 : 0;
+    // full and empty).
+    // The warp-specialised split kernel (d > 128) has no room for a dQ tile (64 KiB at d 256 next
+    // to 192 KiB of K, V and the ring): its consumers add their dQ pieces with `red`, as `run`
+    // does, and its Pᵀ alternates between two buffers like dSᵀ (no barrier ends an item).
+    static constexpr bool DQ_TILE = WS && SPLIT == 1;
+    static constexpr int DQ_BYTES = DQ_TILE ? BR * D * 4 : 0;
+    static constexpr int P_BUFS = WS ? 2 : 1;
     static constexpr int BAR_BYTES = WS ? 8 * (4 + 2 * STAGES) : 0;
     // dSᵀ buffers: two where an item's dSᵀ is written before every consumer is past the previous
     // item's dQ product (DEFER_DQ, and the warp-specialised kernel, with no barrier between them).
     static constexpr int DS_BUFS = DEFER_DQ || WS ? 2 : 1;
-    static_assert(!WS || (2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + 2 * STAGES * ROW_BYTES) % 1024 == 0,
+    static_assert(!DQ_TILE || (2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + 2 * STAGES * ROW_BYTES) % 1024 == 0,
                   "the dQ tile (after K, V, the ring, dSᵀ and the rows) starts on the swizzle's 1024-byte period");
-    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + P_BYTES +
+    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + P_BUFS * P_BYTES +
                                       2 * STAGES * ROW_BYTES + DQ_BYTES + BAR_BYTES;  // = BwdVariant::smem_bytes
+    static_assert(!WS || SMEM_BYTES + 1024 <= 232448 - 128, "one block a multiprocessor, with the static slots");
     static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
     // Hopper: Sᵀ and dPᵀ issued together, dV left in flight under dSᵀ, at 64 queries per tile.
     // With 128 (or with the extras at d 128), that many live registers spill, so dPᵀ is issued
@@ -1339,7 +1346,8 @@ struct FlashBwd {
         const int tiles = p.num_n_blocks * p.batch * p.hk;
         const Visibility vis{p.sq, p.sk, p.sk - p.sq, p.causal, p.window_left, p.window_right};
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + STAGES * Q_BYTES,
-                  sDS0 = sDO0 + STAGES * Q_BYTES, sL0 = sDS0 + 2 * DS_BYTES, sD0 = sL0 + STAGES * ROW_BYTES;
+                  sDS0 = sDO0 + STAGES * Q_BYTES, sP0 = sDS0 + 2 * DS_BYTES, sL0 = sP0 + P_BUFS * P_BYTES,
+                  sD0 = sL0 + STAGES * ROW_BYTES;
         const u32 sDQ = sD0 + STAGES * ROW_BYTES;
         const u32 bar_kv = sDQ + DQ_BYTES, bar_kv_empty = bar_kv + 8, bar_full = bar_kv_empty + 8,
                   bar_empty = bar_full + 8 * STAGES;
@@ -1368,7 +1376,7 @@ struct FlashBwd {
 
         if (warp >= CONSUMERS / 32) {
             asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
-            if (warp == CONSUMERS / 32 + 1 && !p.deterministic) {
+            if (warp == CONSUMERS / 32 + 1 && DQ_TILE && !p.deterministic) {
                 // The dQ warp: each item's dQ tile, once the consumers stored it, added to dQaccum
                 // by TMA reductions (one a 32-column block; rows past the sequence and columns
                 // past d fall outside the tensor map and are not written, and blocks wholly past
@@ -1507,7 +1515,9 @@ struct FlashBwd {
         // keeps what derives from it (the operand descriptors) in uniform registers.
         const int uwarp = __shfl_sync(0xffffffffu, warp, 0);
         FragC dk[DT], dv[DT], dq[DQ_FRAGS];
-        const int warp_key = 16 * uwarp;
+        // The warp's 16 keys; SPLIT: its half of the queries (Sᵀ, dPᵀ) and of the columns (dK, dV).
+        const int warp_key = 16 * (SPLIT > 1 ? uwarp % KEY_WARPS : uwarp), half = SPLIT > 1 ? uwarp / KEY_WARPS : 0;
+        const int q_off = half * (BR / SPLIT), c_off = half * DA;
         int wg = 0;  // items so far
 #pragma unroll 1
         for (int j = 0;; ++j) {
@@ -1529,8 +1539,8 @@ struct FlashBwd {
                 const int lane = (int)opaque((u32)lane_id);
                 const u32 sQ = sQ0 + (u32)(st * Q_BYTES), sDO = sDO0 + (u32)(st * Q_BYTES);
                 const u32 sL = sL0 + (u32)(st * ROW_BYTES), sD = sD0 + (u32)(st * ROW_BYTES);
-                const u32 sDS = sDS0 + (u32)((wg & 1) * DS_BYTES);
-                const u32 l_base = opaque(sL + 8 * t), d_base = opaque(sD + 8 * t);
+                const u32 sDS = sDS0 + (u32)((wg & 1) * DS_BYTES), sP = sP0 + (u32)((wg & 1) * P_BYTES);
+                const u32 l_base = opaque(sL + 4 * q_off + 8 * t), d_base = opaque(sD + 4 * q_off + 8 * t);
                 const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
                 // A block mask: its plane, and the tile list's word on whether the item needs it
                 // (without a list, deterministic mode, every item is masked).
@@ -1538,7 +1548,7 @@ struct FlashBwd {
                 const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
                 const ItemCtx ctx{&p,   sK,  sV,       sQ,   sDO, sDS, l_base, d_base, vis,  row0,  rows_valid,
                                   col0, off, warp_key, lane, g,   t,   b,      h,      tid,  uwarp,  0u,
-                                  modded, drop, slope, plane, 0u, 0};
+                                  modded, drop, slope, plane, sP, q_off};
                 bool full;
                 if constexpr (FA_BLOCKS)
                     full = blocky ? pp.tile_list != nullptr && (entry & BWD_TILE_FULL) != 0
@@ -1551,9 +1561,27 @@ struct FlashBwd {
                 // thread says so, its stage may be refilled. (Every thread arrives, rather than one a
                 // warp after __syncwarp: the producer rewrites the lse and D rows with plain stores,
                 // and racecheck orders each read before them only through that thread's own release.)
-                mbar_arrive(bar_empty + 8 * st);
-                consumers_sync();  // dSᵀ complete
-                if (p.deterministic) {
+                // SPLIT: dV's and dK's products read dO and Q after the barrier: the arrival follows them.
+                if constexpr (SPLIT == 1) mbar_arrive(bar_empty + 8 * st);
+                consumers_sync();  // dSᵀ (SPLIT: and Pᵀ') complete
+                if constexpr (SPLIT > 1) {
+                    // As `run`'s split kernel: dQ's product first, its sums sent to dQaccum with
+                    // `red` while dV's and dK's products run.
+                    FragC dqs[NQ / 8];
+                    issue_dq(dqs, sDS, sK, uwarp);
+                    accumulate_split(dv, sP, sDO, warp_key, c_off, lane);
+                    accumulate_split(dk, sDS, sQ, warp_key, c_off, lane);
+                    wgmma_wait<2>();
+                    fence_operands(dqs);
+                    add_dq_in_order(p, vis, b, h, m, 0, col0 / BC, tid,
+                                    [&](float* acc, long long acc_row, int rows_valid) {
+                                        add_dq(dqs, acc, acc_row, rows_valid, p.d, uwarp, lane);
+                                    });
+                    wgmma_wait<0>();
+                    fence_operands(dv);
+                    fence_operands(dk);
+                    mbar_arrive(bar_empty + 8 * st);
+                } else if (p.deterministic) {
                     add_dq_in_order(p, vis, b, h, m, 0, col0 / BC, tid, [&](float* acc, long long acc_row, int rows_valid) {
                         accumulate_dq(sDS, sK, acc, acc_row, rows_valid, p.d, uwarp, lane);
                     });
@@ -1582,10 +1610,10 @@ struct FlashBwd {
             const int kv = min(BC, p.sk - col0);
             u16* gdK = p.dk + b * p.dk_batch + k0 * p.dk_row + hkv * p.dk_head;
             u16* gdV = p.dv + b * p.dv_batch + k0 * p.dv_row + hkv * p.dv_head;
-            store_rows(dk, p.scale, gdK, p.dk_row, warp_key, 0, kv, p.d, lane_id);
-            store_rows(dv, 1.f, gdV, p.dv_row, warp_key, 0, kv, p.d, lane_id);
+            store_rows(dk, p.scale, gdK, p.dk_row, warp_key, c_off, kv, p.d, lane_id);
+            store_rows(dv, 1.f, gdV, p.dv_row, warp_key, c_off, kv, p.d, lane_id);
         }
-        if (!p.deterministic) {
+        if (DQ_TILE && !p.deterministic) {
             // The dQ warp's last word, once it has read the last tile.
             if (wg > 0) mbar_wait(bar_dq_empty, (u32)((wg - 1) & 1));
             if (tid == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dq_slot), "r"(-1) : "memory");
