@@ -604,7 +604,7 @@ fn bench_bwd<T: cuda::CudaElement>(
     let ms = times[times.len() / 2];
     let flops = 2.5 * 4.0 * (b * hq * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
     let name = variant
-        .or_else(|| BwdVariant::default_on(dev.arch(), T::DTYPE, d, extras.paths()))
+        .or_else(|| BwdVariant::for_problem(dev.arch(), T::DTYPE, d, extras.paths(), true))
         .map(|v| v.name())
         .unwrap_or_default();
     println!(
