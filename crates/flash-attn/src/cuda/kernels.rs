@@ -534,9 +534,9 @@ pub struct BwdVariant {
     /// more, loading each work item's tiles by TMA into a ring of mbarrier-guarded buffers and
     /// adding each item's dQ tile to the accumulator by TMA reductions, the `warps` consumer warps
     /// without a block-wide barrier an item): `wgmma`, 8 warps, fixed-length batches, tile widths
-    /// 64 and 128 (block-sparse masks, dropout or softcap as built) and 256 (the split kernel,
-    /// [`BwdVariant::split`]: no optional path, and its consumers add dQ with `red`, there being
-    /// no room for a dQ tile).
+    /// 64 and 128 (with a block-sparse mask, dropout or softcap as built) and 256 (the split
+    /// kernel, [`BwdVariant::split`]: no block mask, and its consumers add dQ with `red`, there
+    /// being no room for a dQ tile).
     pub ws: bool,
 }
 
@@ -726,7 +726,8 @@ impl BwdVariant {
     /// other Hopper kernel's backward on an H100, docs/cuda-notes.md) or with dropout alone or
     /// softcap alone ([`WS_EXTRAS`]; measured 1.09-1.44x the other Hopper kernels' backward on an
     /// H100; dropout at d = 64 on 64 queries a tile, where 128 spill its keep bits); at tile
-    /// width 256 with no optional path (the split kernel: 1.05-1.14x on an H200, session 51).
+    /// width 256 with no optional path, dropout alone or softcap alone (the split kernel:
+    /// 1.05-1.14x, 1.09-1.17x and 1.08-1.13x the other Hopper kernels on an H200, session 51).
     pub fn for_problem(
         arch: &Arch,
         dtype: DType,
@@ -736,8 +737,8 @@ impl BwdVariant {
     ) -> Option<BwdVariant> {
         let v = BwdVariant::default_on(arch, dtype, d, extras)?;
         let ws_paths = !extras.any() || WS_EXTRAS.contains(&extras) || extras == WS_BLOCKS;
-        // d = 256 (the split kernel): with no optional path only.
-        let ws_width = d == 64 || d == 128 || (d == 256 && !extras.any());
+        // d = 256 (the split kernel): no block mask.
+        let ws_width = d == 64 || d == 128 || (d == 256 && !extras.blocks);
         if !(fixed_length && v.wgmma && ws_paths && ws_width) {
             return Some(v);
         }
@@ -778,9 +779,13 @@ impl BwdVariant {
                             v.push(BwdVariant { ws: true, extras: e, br, ..h });
                         }
                     }
-                    // d = 256: the two consumer warpgroups share 64 keys ([`BwdVariant::split`]).
+                    // d = 256: the two consumer warpgroups share 64 keys ([`BwdVariant::split`]);
+                    // no optional path, dropout alone, softcap alone (no block mask).
                     if d == 256 {
                         v.push(BwdVariant { ws: true, ..h });
+                        for e in WS_EXTRAS {
+                            v.push(BwdVariant { ws: true, extras: e, ..h });
+                        }
                     }
                     // One warpgroup per block, 64 queries (two blocks per multiprocessor); not at
                     // d = 256, where two warpgroups split the columns.

@@ -1599,12 +1599,17 @@ mod tests {
         // Head dims the 128 tile pads take it too (its TMA boxes read zeros past d).
         assert!(name(96, plain(), "sm_90a").ends_with("_d128_r64_w8_h_ws"), "{}", name(96, plain(), "sm_90a"));
         // Tile width 256 (the split kernel: two warpgroups on the same 64 keys), d 160 padded to
-        // it too, with no optional path only, deterministic or not; not on sm_80.
+        // it too, deterministic or not, with no optional path, dropout alone or softcap alone; not
+        // with a block mask, two paths, or on sm_80.
         for d in [160, 256] {
             assert!(name(d, plain(), "sm_90a").ends_with("_d256_r64_w8_h_ws"), "{}", name(d, plain(), "sm_90a"));
             assert!(name(d, plain().deterministic(), "sm_90a").ends_with("_d256_r64_w8_h_ws"));
-            assert!(!name(d, plain().dropout(0.1, 1, 0), "sm_90a").contains("_ws"));
-            assert!(!name(d, plain().softcap(30.0), "sm_90a").contains("_ws"));
+            assert!(name(d, plain().dropout(0.1, 1, 0), "sm_90a").ends_with("_d256_r64_w8_h_ws_xd"));
+            assert!(name(d, plain().softcap(30.0), "sm_90a").ends_with("_d256_r64_w8_h_ws_xs"));
+            let mask = vec![1u8; 4];
+            let blocks = plain().block_mask(Tensor::new(&mask, &[2, 2]), 32, 32);
+            assert!(!name(d, blocks, "sm_90a").contains("_ws"));
+            assert!(!name(d, plain().dropout(0.1, 1, 0).softcap(30.0), "sm_90a").contains("_ws"));
             assert!(!name(d, plain(), "sm_80").contains("_ws"));
         }
         // No query rows: the other Hopper kernel (it writes zero dk and dv; no tensor map of q).
