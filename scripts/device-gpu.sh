@@ -6,6 +6,8 @@
 #
 #   scripts/device-gpu.sh prepare
 #   scripts/device-gpu.sh tests [FILTER...]   the GPU test suite (all, or the tests matching FILTER)
+#                                             (FLASH_ATTN_TEST_VARIANTS=a,b: the variant sweeps only
+#                                             over variants whose name holds a or b)
 #   scripts/device-gpu.sh check               cuda_bench check 100 (random cases vs the f64 oracle)
 #   scripts/device-gpu.sh sanitize [NAME]     memcheck, racecheck and synccheck over
 #                                             `cuda_bench sanitize NAME` (default _ws), and
