@@ -1652,16 +1652,15 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_ws_tiles(const __gri
         for (int m = m_lo; m < m_hi; ++m) {
             const int r0 = m * BR, r1 = min(p.sq, r0 + BR);
             const int bi0 = r0 / bm.bq, nbi = (r1 - 1) / bm.bq - bi0 + 1, per_head = nbi * nbj;
-            bool any = false, all = true;
-            for (int x = lane; x < p.group * per_head; x += 32) {
+            // Every query head of the kv head's group: per_head bytes of each one's plane.
+            const auto on = [&](int x) {
                 const int hh = x / per_head, y = x - hh * per_head;
                 const unsigned char* pl = bm.plane(b, hkv * p.group + hh);
-                const bool on = pl[(bi0 + y / nbj) * bm.s_i + (bj0 + y % nbj) * bm.s_j] != 0;
-                any |= on;
-                all &= on;
-            }
-            if (__any_sync(0xffffffffu, any)) {
-                const bool full = __all_sync(0xffffffffu, all) && r1 - r0 == BR && vis.tile_full(r0, r1, c0, c0 + BC);
+                return pl[(bi0 + y / nbj) * bm.s_i + (bj0 + y % nbj) * bm.s_j] != 0;
+            };
+            bool all;
+            if (warp_vote_any(p.group * per_head, lane, on, all)) {
+                const bool full = all && r1 - r0 == BR && vis.tile_full(r0, r1, c0, c0 + BC);
                 if (lane == 0) out[1 + count] = m | (full ? BWD_TILE_FULL : 0);
                 ++count;
             }

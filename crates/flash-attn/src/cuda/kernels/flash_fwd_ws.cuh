@@ -742,14 +742,10 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_ws_tiles(const __gri
         for (int n = (hi + BC - 1) / BC - 1; n >= lo / BC; --n) {
             const int c0 = n * BC, c1 = min(p.sk, c0 + BC);
             const int bj0 = c0 / bm.bk, nbj = (c1 - 1) / bm.bk - bj0 + 1;
-            bool any = false, all = true;
-            for (int x = lane; x < nbi * nbj; x += 32) {
-                const bool on = pl[(bi0 + x / nbj) * bm.s_i + (bj0 + x % nbj) * bm.s_j] != 0;
-                any |= on;
-                all &= on;
-            }
-            if (__any_sync(0xffffffffu, any)) {
-                const bool full = __all_sync(0xffffffffu, all) && vis.tile_full(row0, row0 + rows, c0, c0 + BC);
+            const auto on = [&](int x) { return pl[(bi0 + x / nbj) * bm.s_i + (bj0 + x % nbj) * bm.s_j] != 0; };
+            bool all;
+            if (warp_vote_any(nbi * nbj, lane, on, all)) {
+                const bool full = all && vis.tile_full(row0, row0 + rows, c0, c0 + BC);
                 if (lane == 0) out[1 + count] = n | (full ? WS_TILE_FULL : 0);
                 ++count;
             }

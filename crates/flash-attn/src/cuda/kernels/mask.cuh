@@ -102,6 +102,22 @@ struct BlockMask {
     }
 };
 
+// A warp's vote over n block-mask bytes, each lane reading every 32nd (`on(x)`: whether byte x is
+// on): whether any is on, the same in every lane; where one is, `all_on` says whether every one is.
+// (The warp-specialised kernels' tile lists: `flash_fwd_ws_tiles`, `flash_bwd_ws_tiles`.)
+template <class On>
+__device__ __forceinline__ bool warp_vote_any(int n, int lane, On on, bool& all_on) {
+    bool any = false, all = true;
+    for (int x = lane; x < n; x += 32) {
+        const bool v = on(x);
+        any |= v;
+        all &= v;
+    }
+    if (!__any_sync(0xffffffffu, any)) return false;
+    all_on = __all_sync(0xffffffffu, all);
+    return true;
+}
+
 // The score modifiers of DESIGN §2 steps 2-3 on a score x = scale · q·k (natural units):
 // softcap c > 0: x = c · tanh(x / c); ALiBi: x -= slope · |i + off - j|. Field for field
 // `ScoreMod` in src/cuda/launch.rs, which also computes the derived constants (in f64).
