@@ -231,9 +231,9 @@ impl<T: Element> Context<'_, T> {
                 pack_row_pairs(&mut pt.k_keys, d, bits.k, g.k, seq, k_start, c, kv_head, d);
             } else {
                 let ld = sc.ld;
-                load_rows(&mut sc.k, ld.d, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d, 1.0);
+                load_rows(self.isa, &mut sc.k, ld.d, self.k, g.k, seq, seq.k_start, cols.clone(), kv_head, d);
                 transpose_panels(self.isa, &mut sc.kt, &sc.k, ld.d, nc, d);
-                load_rows(&mut sc.v, ld.dv, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv, 1.0);
+                load_rows(self.isa, &mut sc.v, ld.dv, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
                 transpose(self.isa, &mut sc.vt, ld.s, &sc.v, ld.dv, nc, dv);
             }
             sc.dk[..nc * d].fill(0.0);
@@ -303,8 +303,8 @@ impl<T: Element> Context<'_, T> {
                 if fresh {
                     let (q0, dl, r) = (seq.q_start, self.dout_layout, rows.clone());
                     let rs = &mut sc.rows;
-                    load_rows(rs.part_mut(slot, 0), ld.d, self.q, g.q, seq, q0, r.clone(), head, d, 1.0);
-                    load_rows(rs.part_mut(slot, 1), ld.dv, self.dout, dl, seq, q0, r, head, dv, 1.0);
+                    load_rows(self.isa, rs.part_mut(slot, 0), ld.d, self.q, g.q, seq, q0, r.clone(), head, d);
+                    load_rows(self.isa, rs.part_mut(slot, 1), ld.dv, self.dout, dl, seq, q0, r, head, dv);
                 }
                 RowOperands::F32 { q: sc.rows.part(slot, 0), ldq: ld.d, dout: sc.rows.part(slot, 1), ldo: ld.dv }
             }

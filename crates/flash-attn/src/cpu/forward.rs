@@ -482,13 +482,13 @@ impl<T: Element> Context<'_, T> {
             if !whole_panels(n) {
                 kt.fill(0.0);
             }
-            let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
+            let (k, ldk) = rows_f32(self.isa, k_buf, self.k, g.k, seq, seq.k_start, whole.clone(), kv_head, g.d);
             transpose_panels(self.isa, kt, k, ldk, n, g.d);
             if sh.v_len > 0 {
                 if !whole_panels(g.dv) {
                     v.fill(0.0);
                 }
-                let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
+                let (rows, ld) = rows_f32(self.isa, v_buf, self.v, g.v, seq, seq.k_start, whole, kv_head, g.dv);
                 pack_panels(v, bc, rows, ld, n, g.dv);
             }
         }
@@ -677,7 +677,7 @@ impl<T: Element> Context<'_, T> {
                 if sc.q.len() < nr * st.d {
                     sc.q.resize(nr * st.d, 0.0);
                 }
-                load_rows(&mut sc.q, st.d, self.q, g.q, seq, seq.q_start, rows.clone(), head, d, 1.0)
+                load_rows(self.isa, &mut sc.q, st.d, self.q, g.q, seq, seq.q_start, rows.clone(), head, d)
             }
         }
         sc.o[..nr * dv].fill(0.0);
@@ -738,7 +738,7 @@ impl<T: Element> Context<'_, T> {
                         None => sc.kt_cache.tile(key_tile, &mut sc.kt, |dst, slot| {
                             let keys = packed(slot);
                             let n = keys.len();
-                            let (k, ldk) = rows_f32(k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
+                            let (k, ldk) = rows_f32(self.isa, k_buf, self.k, g.k, seq, seq.k_start, keys, kv_head, d);
                             transpose_panels(self.isa, dst, k, ldk, n, d);
                         }),
                     };
@@ -819,13 +819,14 @@ impl<T: Element> Context<'_, T> {
             } else if sc.v_cache.holds(key_tile) {
                 let v_buf = &mut sc.v;
                 let vt = sc.v_cache.tile(key_tile, &mut [], |dst, _| {
-                    let (rows, ld) = rows_f32(v_buf, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv);
+                    let (rows, ld) =
+                        rows_f32(self.isa, v_buf, self.v, g.v, seq, seq.k_start, whole.clone(), kv_head, dv);
                     pack_panels(dst, bc, rows, ld, whole.len(), dv);
                 });
                 let vl = BLayout::panels(bc);
                 (&vt[vl.index(cols.start - whole.start, 0)..], vl)
             } else {
-                let (v, ldv) = rows_f32(&mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
+                let (v, ldv) = rows_f32(self.isa, &mut sc.v, self.v, g.v, seq, seq.k_start, cols.clone(), kv_head, dv);
                 (v, BLayout::rows(ldv))
             };
             if class == TileClass::Full {

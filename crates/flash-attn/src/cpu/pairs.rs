@@ -25,6 +25,50 @@ pub(super) fn bf16_bits<T: Element>(src: &[T]) -> Option<&[u16]> {
     Some(unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u16>(), src.len()) })
 }
 
+/// `dst = src` widened to `f32` (exact); lengths equal. `bf16` by a shift, compiled for the
+/// instruction set `isa` holds (through `half` it ran element by element on the baseline target:
+/// about a tenth of the AVX2 `bf16` forward's time at 1 × 8 × 1024², d 128, session 51); other
+/// types by [`Element::widen_slice`].
+#[inline]
+pub(super) fn widen<T: Element>(isa: Isa, src: &[T], dst: &mut [f32]) {
+    let Some(bits) = bf16_bits(src) else {
+        return T::widen_slice(src, dst);
+    };
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa.avx512() {
+            // SAFETY: the CPU has AVX-512F and BW (`Isa::avx512` checked them).
+            return unsafe { shift_bf16_avx512(bits, dst) };
+        }
+        if isa == Isa::Avx2 && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { shift_bf16_avx2(bits, dst) };
+        }
+    }
+    let _ = isa;
+    shift_bf16(bits, dst);
+}
+
+/// `bf16` bits to `f32`: a shift the compiler vectorises.
+#[inline(always)]
+fn shift_bf16(src: &[u16], dst: &mut [f32]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits((x as u32) << 16);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn shift_bf16_avx512(src: &[u16], dst: &mut [f32]) {
+    shift_bf16(src, dst);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn shift_bf16_avx2(src: &[u16], dst: &mut [f32]) {
+    shift_bf16(src, dst);
+}
+
 #[inline(always)]
 fn pair(lo: u16, hi: u16) -> Bf16Pair {
     lo as u32 | (hi as u32) << 16
@@ -371,6 +415,39 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn widening_is_exact_on_every_path_and_for_every_type() {
+        // Every class of bf16: zeros, subnormals, normals of both signs, infinities, NaNs; a
+        // length that is no multiple of any vector width.
+        let mut bits: Vec<u16> = vec![0x0000, 0x8000, 0x0001, 0x807f, 0x3f80, 0xc2f7, 0x7f7f, 0x7f80, 0xff80, 0x7fc0];
+        let mut state = 0x2545_f491u32;
+        bits.extend((0..45).map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state as u16
+        }));
+        let src: Vec<half::bf16> = bits.iter().map(|&b| half::bf16::from_bits(b)).collect();
+        let wide: Vec<f32> = src.iter().map(|x| x.to_f32()).collect();
+        let f16s: Vec<half::f16> = wide.iter().map(|&x| half::f16::from_f32(x)).collect();
+        for isa in Isa::available() {
+            let mut dst = vec![f32::NAN; src.len() + 1];
+            widen(isa, &src, &mut dst[..src.len()]);
+            for (i, (&got, &want)) in dst.iter().zip(&wide).enumerate() {
+                // (half quiets a signalling NaN; the shift keeps its bits: both are NaN.)
+                assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{isa:?} element {i}");
+            }
+            assert!(dst[src.len()].is_nan(), "nothing written past the row");
+            let mut dst = vec![0.0; src.len()];
+            widen(isa, &f16s, &mut dst);
+            for (i, (&got, x)) in dst.iter().zip(&f16s).enumerate() {
+                assert!(got.to_bits() == x.to_f32().to_bits() || (got.is_nan() && x.is_nan()), "f16 element {i}");
+            }
+            widen(isa, &wide, &mut dst);
+            assert!(dst.iter().zip(&wide).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
 
     #[test]
     fn narrowing_rounds_to_nearest_even_and_pads_odd_lengths() {

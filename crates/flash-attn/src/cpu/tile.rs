@@ -6,6 +6,7 @@ use std::ops::Range;
 use super::gemm::{gemm_b, gemm_bf16, BLayout, Bf16Pair, PANEL_WIDTH};
 use super::isa::Isa;
 use super::lines::LineVec;
+use super::pairs::widen;
 use super::transpose::transpose;
 use super::vexp::scale_row;
 use crate::dtype::Element;
@@ -48,9 +49,10 @@ impl ScoreMod {
 }
 
 /// Copies rows `rows` of head `head` (tokens from `start`) into `dst` (row stride `ld_dst`), widened
-/// to `f32` and multiplied by `mult`.
+/// to `f32` ([`widen`], on `isa`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn load_rows<T: Element>(
+    isa: Isa,
     dst: &mut [f32],
     ld_dst: usize,
     src: &[T],
@@ -60,15 +62,10 @@ pub(super) fn load_rows<T: Element>(
     rows: Range<usize>,
     head: usize,
     dim: usize,
-    mult: f32,
 ) {
     for (r, i) in rows.enumerate() {
         let at = layout.row(seq, start, i, head);
-        let row = &mut dst[r * ld_dst..r * ld_dst + dim];
-        T::widen_slice(&src[at..at + dim], row);
-        if mult != 1.0 {
-            row.iter_mut().for_each(|x| *x *= mult);
-        }
+        widen(isa, &src[at..at + dim], &mut dst[r * ld_dst..r * ld_dst + dim]);
     }
 }
 
@@ -100,6 +97,7 @@ pub(super) fn panels<'v>(
 /// grows on first use (so `f32` inputs never allocate or zero it).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn rows_f32<'s, T: Element>(
+    isa: Isa,
     buf: &'s mut LineVec<f32>,
     src: &'s [T],
     layout: RowLayout,
@@ -119,7 +117,7 @@ pub(super) fn rows_f32<'s, T: Element>(
     if buf.len() < rows.len() * dim {
         buf.resize(rows.len() * dim, 0.0);
     }
-    load_rows(buf, dim, src, layout, seq, start, rows, head, dim, 1.0);
+    load_rows(isa, buf, dim, src, layout, seq, start, rows, head, dim);
     (buf, dim)
 }
 
