@@ -139,55 +139,18 @@ fn split_count<T: Element>(p: &KvProblem<'_, T>, blocking: Blocking) -> usize {
     n.min(chunks)
 }
 
-/// `dst = src` widened to `f32`; returns whether every element is finite. The loops are written
-/// so the compiler vectorises them, and compiled once per instruction set (the library's baseline
-/// target is plain x86-64).
+/// `dst = src` widened to `f32` ([`super::pairs::widen_bf16`] for `bf16`, on `isa`); returns
+/// whether every element is finite.
 #[inline]
 fn load_row<T: Element>(isa: Isa, src: &[T], dst: &mut [f32]) -> bool {
     if let Some(bits) = super::pairs::bf16_bits(src) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if isa.avx512() {
-                // SAFETY: the CPU has AVX-512F and BW (`Isa::avx512` checked them).
-                return unsafe { widen_bf16_avx512(bits, dst) };
-            }
-            if isa == Isa::Avx2 && std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU has AVX2 (checked just above).
-                return unsafe { widen_bf16_avx2(bits, dst) };
-            }
-        }
-        let _ = isa;
-        return widen_bf16(bits, dst);
+        return super::pairs::widen_bf16::<true>(isa, bits, dst);
     }
     match T::as_f32(src) {
         Some(f) => dst.copy_from_slice(f),
         None => T::widen_slice(src, dst),
     }
     finite_f32(dst)
-}
-
-/// `bf16` bits to `f32` (exact: a shift), and whether all are finite.
-#[inline(always)]
-fn widen_bf16(src: &[u16], dst: &mut [f32]) -> bool {
-    let mut bad = 0u32;
-    for (d, &x) in dst.iter_mut().zip(src) {
-        let bits = (x as u32) << 16;
-        bad |= u32::from(bits & 0x7f80_0000 == 0x7f80_0000);
-        *d = f32::from_bits(bits);
-    }
-    bad == 0
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn widen_bf16_avx512(src: &[u16], dst: &mut [f32]) -> bool {
-    widen_bf16(src, dst)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn widen_bf16_avx2(src: &[u16], dst: &mut [f32]) -> bool {
-    widen_bf16(src, dst)
 }
 
 /// Asks the cache hierarchy for the lines of `row` (a hint; nothing on targets without one).

@@ -31,42 +31,57 @@ pub(super) fn bf16_bits<T: Element>(src: &[T]) -> Option<&[u16]> {
 /// types by [`Element::widen_slice`].
 #[inline]
 pub(super) fn widen<T: Element>(isa: Isa, src: &[T], dst: &mut [f32]) {
-    let Some(bits) = bf16_bits(src) else {
-        return T::widen_slice(src, dst);
-    };
+    match bf16_bits(src) {
+        Some(bits) => {
+            widen_bf16::<false>(isa, bits, dst);
+        }
+        None => T::widen_slice(src, dst),
+    }
+}
+
+/// `bf16` bits widened to `f32` as [`widen`] does; with `FINITE`, also whether every value is
+/// finite (in the same pass: the decode's check), else `true`.
+#[inline]
+pub(super) fn widen_bf16<const FINITE: bool>(isa: Isa, bits: &[u16], dst: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         if isa.avx512() {
             // SAFETY: the CPU has AVX-512F and BW (`Isa::avx512` checked them).
-            return unsafe { shift_bf16_avx512(bits, dst) };
+            return unsafe { shift_bf16_avx512::<FINITE>(bits, dst) };
         }
         if isa == Isa::Avx2 && std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above).
-            return unsafe { shift_bf16_avx2(bits, dst) };
+            return unsafe { shift_bf16_avx2::<FINITE>(bits, dst) };
         }
     }
     let _ = isa;
-    shift_bf16(bits, dst);
+    shift_bf16::<FINITE>(bits, dst)
 }
 
-/// `bf16` bits to `f32`: a shift the compiler vectorises.
+/// `bf16` bits to `f32`: a shift the compiler vectorises (and with `FINITE` an exponent test).
 #[inline(always)]
-fn shift_bf16(src: &[u16], dst: &mut [f32]) {
+fn shift_bf16<const FINITE: bool>(src: &[u16], dst: &mut [f32]) -> bool {
+    let mut bad = 0u32;
     for (d, &x) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits((x as u32) << 16);
+        let bits = (x as u32) << 16;
+        if FINITE {
+            bad |= u32::from(bits & 0x7f80_0000 == 0x7f80_0000);
+        }
+        *d = f32::from_bits(bits);
     }
+    bad == 0
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn shift_bf16_avx512(src: &[u16], dst: &mut [f32]) {
-    shift_bf16(src, dst);
+unsafe fn shift_bf16_avx512<const FINITE: bool>(src: &[u16], dst: &mut [f32]) -> bool {
+    shift_bf16::<FINITE>(src, dst)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn shift_bf16_avx2(src: &[u16], dst: &mut [f32]) {
-    shift_bf16(src, dst);
+unsafe fn shift_bf16_avx2<const FINITE: bool>(src: &[u16], dst: &mut [f32]) -> bool {
+    shift_bf16::<FINITE>(src, dst)
 }
 
 #[inline(always)]
@@ -439,6 +454,12 @@ mod tests {
                 assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{isa:?} element {i}");
             }
             assert!(dst[src.len()].is_nan(), "nothing written past the row");
+            // With the decode's finiteness check: false here (infinities, NaNs), true without them.
+            let mut again = vec![0.0; src.len()];
+            assert!(!widen_bf16::<true>(isa, &bits, &mut again));
+            assert!(again.iter().zip(&dst).all(|(a, b)| a.to_bits() == b.to_bits()));
+            let finite: Vec<u16> = bits.iter().copied().filter(|b| b & 0x7f80 != 0x7f80).collect();
+            assert!(widen_bf16::<true>(isa, &finite, &mut again[..finite.len()]));
             let mut dst = vec![0.0; src.len()];
             widen(isa, &f16s, &mut dst);
             for (i, (&got, x)) in dst.iter().zip(&f16s).enumerate() {
