@@ -166,20 +166,26 @@ fn write_atomic(path: &Path, bytes: &[u8]) {
     }
 }
 
+/// The disk cache's key: the source, the options, NVRTC's version and the target. Not the header
+/// folder passed as `--include-path`: today's kernels include no header, so where the CUDA headers
+/// sit (a toolkit on one machine, pip's wheel on another) changes no CUBIN, and a cache filled on
+/// one machine serves another with the same NVRTC.
+fn cache_key(source: &str, options: &[String], (major, minor): (i32, i32), arch: &Arch) -> String {
+    let ver = format!("nvrtc {major}.{minor}");
+    let joined = options.join("\u{1f}");
+    let parts: [&[u8]; 4] = [source.as_bytes(), joined.as_bytes(), ver.as_bytes(), arch.0.as_bytes()];
+    format!("{:016x}{:016x}", fnv1a(0, &parts), fnv1a(0x5bd1_e995, &parts))
+}
+
 /// Compiles `source` (program name `name`) for `arch` with `options`, through the disk cache.
 pub fn compile(name: &str, source: &str, options: &[String], arch: &Arch) -> Result<Compiled> {
     let (major, minor) = version()?;
     let mut opts: Vec<String> = options.to_vec();
     opts.push(format!("--gpu-architecture={}", arch.0));
+    let key = cache_key(source, &opts, (major, minor), arch);
     if let Some(dir) = header_dir() {
         opts.push(format!("--include-path={}", dir.display()));
     }
-    let key = {
-        let ver = format!("nvrtc {major}.{minor}");
-        let joined = opts.join("\u{1f}");
-        let parts: [&[u8]; 4] = [source.as_bytes(), joined.as_bytes(), ver.as_bytes(), arch.0.as_bytes()];
-        format!("{:016x}{:016x}", fnv1a(0, &parts), fnv1a(0x5bd1_e995, &parts))
-    };
     let path = cache_dir().map(|d| d.join(format!("{name}-{}-{key}.cubin", arch.0)));
     if let Some(p) = &path {
         if let Ok(cubin) = std::fs::read(p) {
@@ -300,6 +306,21 @@ mod tests {
         // A frame a few bytes above the spills is alignment, not an array.
         let log = "ptxas         .     40 bytes stack frame, 36 bytes spill stores, 36 bytes spill loads\n";
         assert_eq!(ptxas_usage(log), (None, Some(36)));
+    }
+
+    #[test]
+    fn the_cache_key_follows_source_options_version_and_target() {
+        let opts = vec!["-DD=128".to_string(), "--gpu-architecture=sm_90a".to_string()];
+        let hopper = Arch("sm_90a".into());
+        let key = cache_key("k", &opts, (13, 0), &hopper);
+        assert_eq!(key.len(), 32);
+        assert_eq!(key, cache_key("k", &opts, (13, 0), &hopper));
+        assert_ne!(key, cache_key("k2", &opts, (13, 0), &hopper));
+        assert_ne!(key, cache_key("k", &opts[..1], (13, 0), &hopper));
+        assert_ne!(key, cache_key("k", &opts, (13, 1), &hopper));
+        assert_ne!(key, cache_key("k", &opts, (13, 0), &Arch("sm_80".into())));
+        // Parts are separated: moving a byte from one part to the next changes the key.
+        assert_ne!(cache_key("ab", &["c".into()], (13, 0), &hopper), cache_key("a", &["bc".into()], (13, 0), &hopper));
     }
 
     #[test]
