@@ -12,6 +12,8 @@
 //!
 //! Used by tests, `flash-attn check` and debugging; never on a hot path.
 
+use rayon::prelude::*;
+
 use crate::dtype::Element;
 use crate::error::Result;
 use crate::fp8::Fp8E4m3;
@@ -31,6 +33,8 @@ pub struct Reference {
 /// The arithmetic Algorithm 0 runs in.
 trait Real:
     Copy
+    + Send
+    + Sync
     + PartialOrd
     + std::ops::Add<Output = Self>
     + std::ops::Mul<Output = Self>
@@ -320,108 +324,186 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         }
     }
 
+    /// Every `(sequence, head)` on its own thread (rayon): each writes rows no other writes, so
+    /// the results are those of one thread, bit for bit.
     fn forward(&self) -> Reference {
         let g = self.g;
+        let heads: Vec<(usize, usize)> = (0..g.seqs.len()).flat_map(|s| (0..g.hq).map(move |h| (s, h))).collect();
+        let rows: Vec<(Vec<f64>, Vec<f64>)> =
+            heads.par_iter().map(|&(s, h)| self.forward_head(&g.seqs[s], h)).collect();
         let mut out = vec![0.0f64; g.total_q * g.hq * g.dv];
         // Rows that meet no key (fully masked, or varlen tokens after the last sequence) keep -inf.
         let mut lse = vec![f64::NEG_INFINITY; g.lse_len()];
-        for seq in &g.seqs {
-            for h in 0..g.hq {
-                let pr = self.probs(seq, h);
-                let hk = g.kv_head(h);
-                let vis = g.visibility(seq, h);
-                for i in 0..seq.sq {
-                    lse[g.lse_index(seq, h, i)] = pr.lse[i];
-                    let oi = (g.q_token(seq, i) * g.hq + h) * g.dv;
-                    // O = P' V over the keys row i sees (step 7): an invisible key contributes
-                    // nothing, not 0 · v_j (which would let a NaN value reach rows that cannot
-                    // see it).
-                    let seen: Vec<usize> = (0..seq.sk).filter(|&j| vis.visible(i, j)).collect();
-                    for x in 0..g.dv {
-                        let mut acc = R::ZERO;
-                        for &j in &seen {
-                            let vj = g.v.row(seq, seq.k_start, j, hk);
-                            acc = acc + self.dropped(&pr, i * seq.sk + j) * Self::x(self.v, vj + x);
-                        }
-                        // (A row whose sum is 0 saw no key with a finite score: its P is 0.)
-                        if self.round.normalize_after_pv && pr.sum[i] > R::ZERO {
-                            acc = acc / pr.sum[i];
-                        }
-                        out[oi + x] = (self.round.out)(acc).to_f64();
-                    }
-                }
+        for (&(s, h), (o, l)) in heads.iter().zip(rows) {
+            let seq = &g.seqs[s];
+            for i in 0..seq.sq {
+                lse[g.lse_index(seq, h, i)] = l[i];
+                let oi = (g.q_token(seq, i) * g.hq + h) * g.dv;
+                out[oi..oi + g.dv].copy_from_slice(&o[i * g.dv..(i + 1) * g.dv]);
             }
         }
         Reference { out, lse }
     }
 
+    /// `out` (`sq × dv`) and `lse` of query head `h` of `seq`.
+    fn forward_head(&self, seq: &Sequence, h: usize) -> (Vec<f64>, Vec<f64>) {
+        let g = self.g;
+        let pr = self.probs(seq, h);
+        let hk = g.kv_head(h);
+        let vis = g.visibility(seq, h);
+        let mut out = vec![0.0f64; seq.sq * g.dv];
+        for i in 0..seq.sq {
+            // O = P' V over the keys row i sees (step 7): an invisible key contributes nothing,
+            // not 0 · v_j (which would let a NaN value reach rows that cannot see it).
+            let seen: Vec<usize> = (0..seq.sk).filter(|&j| vis.visible(i, j)).collect();
+            for x in 0..g.dv {
+                let mut acc = R::ZERO;
+                for &j in &seen {
+                    let vj = g.v.row(seq, seq.k_start, j, hk);
+                    acc = acc + self.dropped(&pr, i * seq.sk + j) * Self::x(self.v, vj + x);
+                }
+                // (A row whose sum is 0 saw no key with a finite score: its P is 0.)
+                if self.round.normalize_after_pv && pr.sum[i] > R::ZERO {
+                    acc = acc / pr.sum[i];
+                }
+                out[i * g.dv + x] = (self.round.out)(acc).to_f64();
+            }
+        }
+        (out, pr.lse)
+    }
+
+    /// Every `(sequence, kv head)` on its own thread (rayon), its query heads in order: `dK` and
+    /// `dV` of a kv head sum over its query heads in the order one thread would, so the results
+    /// are those of one thread, bit for bit.
     fn backward(&self, dout: (&[T], RowLayout)) -> ReferenceGrads {
         // The chain rule below reads the normalised `P` that Algorithm 0 stores.
         debug_assert!(!self.round.normalize_after_pv, "no backward for a deferred-normalisation oracle");
         let g = self.g;
         let (d, dv) = (g.d, g.dv);
-        let (dout, dl) = dout;
+        let groups: Vec<(usize, usize)> = (0..g.seqs.len()).flat_map(|s| (0..g.hk).map(move |hk| (s, hk))).collect();
+        let parts: Vec<GroupGrads<R>> =
+            groups.par_iter().map(|&(s, hk)| self.group_backward(&g.seqs[s], hk, dout)).collect();
         let mut dq = vec![R::ZERO; g.total_q * g.hq * d];
         let mut dk = vec![R::ZERO; g.total_k * g.hk * d];
         let mut dvv = vec![R::ZERO; g.total_k * g.hk * dv];
-        let scale = R::from_f32(g.scale);
-        for seq in &g.seqs {
-            let (sq, sk) = (seq.sq, seq.sk);
-            for h in 0..g.hq {
-                let pr = self.probs(seq, h);
-                let hk = g.kv_head(h);
-                for i in 0..sq {
-                    let oi = dl.row(seq, seq.q_start, i, h);
-                    // dP' = dO Vᵀ, dP = dP' ∘ keep / (1 - p)
-                    let mut dp = vec![R::ZERO; sk];
-                    for (j, dpj) in dp.iter_mut().enumerate() {
-                        let vj = g.v.row(seq, seq.k_start, j, hk);
-                        let mut acc = R::ZERO;
-                        for x in 0..dv {
-                            acc = acc + Self::x(dout, oi + x) * Self::x(self.v, vj + x);
-                        }
-                        *dpj = (self.round.out)(acc);
-                        if let Some(&f) = pr.keep.get(i * sk + j) {
-                            *dpj = *dpj * f;
-                        }
-                    }
-                    // Softmax Jacobian: dS = P ∘ (dP - Σ_j P dP).
-                    let row = &pr.p[i * sk..(i + 1) * sk];
-                    let dsum = row.iter().zip(&dp).fold(R::ZERO, |a, (&p, &dpj)| a + p * dpj);
-                    let qt = g.q_token(seq, i);
-                    for j in 0..sk {
-                        let e = i * sk + j;
-                        let pd = self.dropped(&pr, e);
-                        let kt = g.k_token(seq, j);
-                        // dV_j += P'_ij dO_i
-                        for x in 0..dv {
-                            let t = (kt * g.hk + hk) * dv + x;
-                            dvv[t] = dvv[t] + pd * Self::x(dout, oi + x);
-                        }
-                        let mut ds = (self.round.out)(row[j] * (dp[j] - dsum));
-                        if let Some(&t) = pr.tanh.get(e) {
-                            ds = ds * (R::from_f32(1.0) - t * t); // d(c·tanh(x/c))/dx
-                        }
-                        let ds = ds * scale;
-                        let (qi, kj) = (g.q.row(seq, seq.q_start, i, h), g.k.row(seq, seq.k_start, j, hk));
-                        for x in 0..d {
-                            let a = (qt * g.hq + h) * d + x;
-                            dq[a] = dq[a] + ds * Self::x(self.k, kj + x);
-                            let b = (kt * g.hk + hk) * d + x;
-                            dk[b] = dk[b] + ds * Self::x(self.q, qi + x);
-                        }
-                    }
+        for (&(s, hk), part) in groups.iter().zip(parts) {
+            let seq = &g.seqs[s];
+            for (h, rows) in part.dq {
+                for i in 0..seq.sq {
+                    let a = (g.q_token(seq, i) * g.hq + h) * d;
+                    dq[a..a + d].copy_from_slice(&rows[i * d..(i + 1) * d]);
                 }
+            }
+            for j in 0..seq.sk {
+                let kt = g.k_token(seq, j);
+                dk[(kt * g.hk + hk) * d..][..d].copy_from_slice(&part.dk[j * d..(j + 1) * d]);
+                dvv[(kt * g.hk + hk) * dv..][..dv].copy_from_slice(&part.dv[j * dv..(j + 1) * dv]);
             }
         }
         let widen = |v: Vec<R>| v.into_iter().map(|x| (self.round.out)(x).to_f64()).collect();
         ReferenceGrads { dq: widen(dq), dk: widen(dk), dv: widen(dvv) }
     }
+
+    /// The gradients of kv head `hk` of `seq` and of its query heads, taken in order.
+    fn group_backward(&self, seq: &Sequence, hk: usize, (dout, dl): (&[T], RowLayout)) -> GroupGrads<R> {
+        let g = self.g;
+        let (d, dv) = (g.d, g.dv);
+        let (sq, sk) = (seq.sq, seq.sk);
+        let scale = R::from_f32(g.scale);
+        let mut grads = GroupGrads { dq: Vec::new(), dk: vec![R::ZERO; sk * d], dv: vec![R::ZERO; sk * dv] };
+        for h in (0..g.hq).filter(|&h| g.kv_head(h) == hk) {
+            let pr = self.probs(seq, h);
+            let mut dq = vec![R::ZERO; sq * d];
+            for i in 0..sq {
+                let oi = dl.row(seq, seq.q_start, i, h);
+                // dP' = dO Vᵀ, dP = dP' ∘ keep / (1 - p)
+                let mut dp = vec![R::ZERO; sk];
+                for (j, dpj) in dp.iter_mut().enumerate() {
+                    let vj = g.v.row(seq, seq.k_start, j, hk);
+                    let mut acc = R::ZERO;
+                    for x in 0..dv {
+                        acc = acc + Self::x(dout, oi + x) * Self::x(self.v, vj + x);
+                    }
+                    *dpj = (self.round.out)(acc);
+                    if let Some(&f) = pr.keep.get(i * sk + j) {
+                        *dpj = *dpj * f;
+                    }
+                }
+                // Softmax Jacobian: dS = P ∘ (dP - Σ_j P dP).
+                let row = &pr.p[i * sk..(i + 1) * sk];
+                let dsum = row.iter().zip(&dp).fold(R::ZERO, |a, (&p, &dpj)| a + p * dpj);
+                for j in 0..sk {
+                    let e = i * sk + j;
+                    let pd = self.dropped(&pr, e);
+                    // dV_j += P'_ij dO_i
+                    for x in 0..dv {
+                        let t = j * dv + x;
+                        grads.dv[t] = grads.dv[t] + pd * Self::x(dout, oi + x);
+                    }
+                    let mut ds = (self.round.out)(row[j] * (dp[j] - dsum));
+                    if let Some(&t) = pr.tanh.get(e) {
+                        ds = ds * (R::from_f32(1.0) - t * t); // d(c·tanh(x/c))/dx
+                    }
+                    let ds = ds * scale;
+                    let (qi, kj) = (g.q.row(seq, seq.q_start, i, h), g.k.row(seq, seq.k_start, j, hk));
+                    for x in 0..d {
+                        dq[i * d + x] = dq[i * d + x] + ds * Self::x(self.k, kj + x);
+                        grads.dk[j * d + x] = grads.dk[j * d + x] + ds * Self::x(self.q, qi + x);
+                    }
+                }
+            }
+            grads.dq.push((h, dq));
+        }
+        grads
+    }
+}
+
+/// The backward's results for one `(sequence, kv head)`: `dQ` (`sq × d`) of each of its query
+/// heads, and its `dK` (`sk × d`) and `dV` (`sk × dv`), all unrounded.
+struct GroupGrads<R> {
+    dq: Vec<(usize, Vec<R>)>,
+    dk: Vec<R>,
+    dv: Vec<R>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The oracle runs its heads on rayon's threads; how many there are changes no bit.
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut draw = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect()
+        };
+        // 2 sequences, 4 query heads on 2 kv heads, 5 queries, 7 keys, d 3, dv 2.
+        let (q, k, v, dout) = (draw(2 * 5 * 4 * 3), draw(2 * 7 * 2 * 3), draw(2 * 7 * 2 * 2), draw(2 * 5 * 4 * 2));
+        let (qt, kt, vt) =
+            (Tensor::new(&q, &[2, 5, 4, 3]), Tensor::new(&k, &[2, 7, 2, 3]), Tensor::new(&v, &[2, 7, 2, 2]));
+        let dot = Tensor::new(&dout, &[2, 5, 4, 2]);
+        let spec = AttentionSpec::new().causal().dropout(0.2, 7, 3);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let f = forward(&spec, &qt, &kt, &vt).unwrap();
+                let b = backward(&spec, &qt, &kt, &vt, &dot).unwrap();
+                let n = naive_backward(&spec, &qt, &kt, &vt, &dot).unwrap();
+                [f.out, f.lse, b.dq, b.dk, b.dv, n.dq, n.dk, n.dv]
+                    .map(|x| x.iter().map(|y| y.to_bits()).collect::<Vec<_>>())
+            })
+        };
+        let one = run(1);
+        assert!(one[2].iter().any(|&x| x != 0), "a gradient that is all zeros tests nothing");
+        assert_eq!(one, run(3));
+    }
 
     #[test]
     fn single_key_returns_its_value_and_lse_equals_the_score() {
