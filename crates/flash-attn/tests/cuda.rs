@@ -455,6 +455,16 @@ fn selected(name: &str) -> bool {
     std::env::var("FLASH_ATTN_TEST_VARIANTS").map_or(true, |s| s.split(',').any(|part| name.contains(part)))
 }
 
+/// With `FLASH_ATTN_TEST_TRACE` set, `what` to stderr at once, with the seconds since the first
+/// trace (run with `--nocapture`): a device run that hangs or runs long then names its case.
+fn trace(what: &str) {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    if std::env::var_os("FLASH_ATTN_TEST_TRACE").is_some() {
+        let t = START.get_or_init(std::time::Instant::now).elapsed().as_secs_f64();
+        eprintln!("[{t:8.2}] {what}");
+    }
+}
+
 /// The case as a fixed-length batch: every sequence of the first one's lengths.
 fn fixed_length(c: &mut Case) {
     c.varlen = false;
@@ -549,11 +559,14 @@ fn backward_case<T: cuda::CudaElement>(
     let [q, k, v] = data.views();
     let (dout, dout_shape) = c.dout(&data).expect("dout");
     let dout = Tensor::new(&dout, &dout_shape);
+    let name = variant.map(|v| v.name()).unwrap_or_default();
+    trace(&format!("backward {name} on {c} dropout {dropout:?} deterministic {deterministic}: forward"));
     let fwd = cuda::forward_host(&spec, &q, &k, &v).expect("cuda forward");
     let out = Tensor::new(&fwd.out, &fwd.out_shape);
+    trace("  backward");
     let grads = cuda::backward_host_variant(&spec, &q, &k, &v, &out, &fwd.lse, &dout, variant).expect("cuda backward");
+    trace("  oracle");
     let rep = compare_gradients(&spec, &grads, &data, &dout, c.dtype).expect("oracle");
-    let name = variant.map(|v| v.name()).unwrap_or_default();
     assert!(rep.passed(), "{name} on {c} dropout {dropout:?} deterministic {deterministic}: {rep}");
 }
 
