@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks of a session, in two halves: `prepare` here (no GPU: builds the test and benchmark
-# binaries and the CLI, strips them into .devcarry/bin, compiles every kernel for sm_90a into the
-# carried NVRTC cache .devcarry/kcache and drops the cache's stale entries), then on the GPU
+# binaries and the CLI, strips them into .devcarry/bin, compiles every kernel for sm_80 and sm_90a
+# into the carried NVRTC cache .devcarry/kcache and drops the cache's stale entries: ~15 minutes
+# on one core when every kernel changed, seconds when none did), then on the GPU
 # machine (the device tool, carrying ".devcarry") one or more phases, each logging under $OUT:
 #
 #   scripts/device-gpu.sh prepare
 #   scripts/device-gpu.sh tests [FILTER...]   the GPU test suite (all, or the tests matching FILTER)
 #                                             (FLASH_ATTN_TEST_VARIANTS=a,b: the variant sweeps only
-#                                             over variants whose name holds a or b)
+#                                             over variants whose name holds a or b; TEST_THREADS,
+#                                             default 8; the backward cases' phases traced with
+#                                             timestamps into tests.log)
 #   scripts/device-gpu.sh check               cuda_bench check 100 (random cases vs the f64 oracle)
 #   scripts/device-gpu.sh sanitize [NAME]     memcheck, racecheck and synccheck over
 #                                             `cuda_bench sanitize NAME` (default _ws), and
@@ -18,7 +21,9 @@
 #                                             --backward); needs .devcarry/side_by_side.py
 #
 # Each phase has a time limit (TIMEOUT, seconds, default 300) so that a hung kernel costs minutes,
-# not the session's device time.
+# not the session's device time. Each GPU phase ends by listing the kernels it had to compile there
+# (cache entries newer than the phase's start) into $OUT/compiled-on-device.txt: a carried cache
+# that serves the whole run leaves it empty.
 set -uo pipefail
 phase=${1:-}
 shift || true
@@ -32,6 +37,8 @@ gpu_env() {
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64:$wheel" FLASH_ATTN_CACHE=$PWD/.devcarry/kcache
     mkdir -p "$out"
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
+    touch "$out/.phase-start"
+    trap 'find .devcarry/kcache -name "*.cubin" -newer "$out/.phase-start" -printf "%f\n" >>"$out/compiled-on-device.txt"; echo "compiled on the device: $(grep -c . "$out/compiled-on-device.txt") kernels"' EXIT
 }
 
 case "$phase" in
@@ -52,7 +59,7 @@ for l in sys.stdin:
     strip "$B"/*
     venv=$HOME/.cache/flash-attn-ci-nvrtc
     LD_LIBRARY_PATH=$(echo "$venv"/lib/python3*/site-packages/nvidia/cu13/lib) FLASH_ATTN_CACHE=$PWD/.devcarry/kcache \
-        target/release/examples/cuda_bench compile sm_90a >/dev/null
+        target/release/examples/cuda_bench compile sm_80,sm_90a >/dev/null
     # Keep the newest entry of each kernel (its name and extension); older ones are stale sources.
     python3 - <<'EOF'
 import collections, os
@@ -73,8 +80,9 @@ EOF
     ;;
 tests)
     gpu_env
-    timeout "$limit" "$B/cuda_tests" --include-ignored --test-threads 4 "$@" 2>&1 | tee "$out/tests.log" |
-        grep -E "^test |test result|panicked"
+    FLASH_ATTN_TEST_TRACE=1 timeout "$limit" "$B/cuda_tests" --include-ignored --nocapture \
+        --test-threads "${TEST_THREADS:-8}" "$@" 2>&1 | tee "$out/tests.log" |
+        grep -E "^test |\.\.\. (ok|FAILED)|^(ok|FAILED)$|test result|panicked"
     ;;
 check)
     gpu_env
