@@ -41,6 +41,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError};
+use rayon::prelude::*;
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -959,19 +960,22 @@ pub fn compile_matching(archs: &[Arch], pattern: &str) -> Result<Vec<VariantRepo
             (format!("ring_{}", dt.name()), ring::ring_source(), options, 0, false)
         }))
         .collect();
-    let mut reports = Vec::new();
-    for arch in archs {
-        for (name, source, options, spill_budget, wgmma) in &programs {
-            if (*wgmma && !arch.has_wgmma()) || !name.contains(pattern) {
-                continue;
-            }
+    let jobs: Vec<_> = archs
+        .iter()
+        .flat_map(|arch| programs.iter().map(move |p| (arch, p)))
+        .filter(|(arch, (name, _, _, _, wgmma))| (!*wgmma || arch.has_wgmma()) && name.contains(pattern))
+        .collect();
+    // One program a thread (rayon's): NVRTC compiles distinct programs concurrently, and each
+    // cache entry has a file name of its own. The reports keep the order of `jobs`.
+    jobs.par_iter()
+        .map(|&(arch, (name, source, options, spill_budget, _))| {
             let (log, result) = match nvrtc::compile(name, source, options, arch) {
                 Ok(c) => (c.log, Ok(())),
                 Err(Error::KernelCompile { kernel, log }) => (log.clone(), Err(Error::KernelCompile { kernel, log })),
                 Err(e) => return Err(e),
             };
             let (registers, spill_bytes) = nvrtc::ptxas_usage(&log);
-            reports.push(VariantReport {
+            Ok(VariantReport {
                 name: name.clone(),
                 arch: arch.0.clone(),
                 registers,
@@ -979,8 +983,7 @@ pub fn compile_matching(archs: &[Arch], pattern: &str) -> Result<Vec<VariantRepo
                 spill_budget: *spill_budget,
                 result,
                 log,
-            });
-        }
-    }
-    Ok(reports)
+            })
+        })
+        .collect()
 }
