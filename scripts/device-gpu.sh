@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of a session, in two halves: `prepare` here (no GPU: builds the test and benchmark
 # binaries and the CLI, strips them into .devcarry/bin, compiles every kernel for sm_80 and sm_90a
-# into the carried NVRTC cache .devcarry/kcache and drops the cache's stale entries: ~15 minutes
-# on one core when every kernel changed, seconds when none did), then on the GPU
+# into the carried NVRTC cache .devcarry/kcache and drops the cache's stale entries: ~8 minutes
+# on two cores when every kernel changed, seconds when none did), then on the GPU
 # machine (the device tool, carrying ".devcarry") one or more phases, each logging under $OUT:
 #
 #   scripts/device-gpu.sh prepare
