@@ -125,7 +125,7 @@ fn bwd_t<T: CudaElement + CudaDType>(opts: &Options, t: [&Tensor; 5], lse: &Cuda
     let (qd, kd, vd) = (dims(0), dims(1), dims(2));
     // SAFETY: uninitialised device memory, never read before written: the backward writes every
     // element of dq, dk and dv (dk/dv rows of varlen tokens past the last sequence included), and
-    // zeroes the part of the workspace it uses before using it.
+    // writes every byte of the workspace it reads before reading it.
     let (mut dq, mut dk, mut dv, mut workspace) = unsafe {
         let bytes = dev.backward_workspace_bytes(&spec, &views[0], &views[1], &views[2]).map_err(wrap)?;
         (

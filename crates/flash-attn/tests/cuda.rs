@@ -771,7 +771,8 @@ fn backward_with_a_caller_workspace_equals_the_pooled_one() {
         res.map(|()| grads.map(|g| stream.clone_dtoh(&g).expect("download")))
     };
     let pooled = run(None).expect("backward");
-    // A workspace full of garbage: the call zeroes what it uses.
+    // A workspace full of garbage: the call writes what it reads (its counters zeroed, the dQ
+    // accumulator by the prep kernel).
     let mut ws = stream.clone_htod(&vec![0xA5u8; bytes + 1000]).expect("upload");
     let given = run(Some(&mut ws)).expect("backward with workspace");
     let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();

@@ -1151,15 +1151,27 @@ pub(crate) struct BwdBuffers<'x, 'a, 'dq, 'dk, 'dv, T> {
     pub dv_layout: RowLayout,
 }
 
-/// Warps of 256-thread blocks: grid size for `warps` one-warp work items.
-fn warp_grid(warps: usize) -> Result<u32> {
-    u32::try_from(warps.div_ceil(8)).map_err(|_| Error::Unsupported(format!("{warps} rows is too large a grid")))
+/// Threads `flash_bwd_prep` and `flash_bwd_convert` give a (token, head) row at tile width `d`,
+/// each on 8 columns: the power of two at or above `d / 8`, at most 32 (`PREP_G` in
+/// `kernels/flash_bwd.cuh`).
+pub(crate) fn aux_row_threads(d: usize) -> usize {
+    (d / 8).next_power_of_two().clamp(1, 32)
 }
 
-/// Where the backward's scratch buffers sit in one zeroed allocation (offsets 256-byte aligned):
-/// the f32 dQ accumulator (`total_q · hq · w` floats, `w` the tile width: d rounded up to 64 or
-/// 128; the kernels address it by rows of `w`), D (one float per query row and head), and the
-/// `i32` semaphores (one per (sequence, head, query tile) in deterministic mode, else one).
+/// Blocks of 256 threads for `rows` rows of [`aux_row_threads`]`(d)` threads each.
+fn aux_grid(rows: usize, d: usize) -> Result<u32> {
+    let threads = rows.checked_mul(aux_row_threads(d));
+    threads
+        .and_then(|t| u32::try_from(t.div_ceil(256)).ok())
+        .ok_or_else(|| Error::Unsupported(format!("{rows} rows is too large a grid")))
+}
+
+/// Where the backward's scratch buffers sit in one allocation (offsets 256-byte aligned):
+/// the f32 dQ accumulator (`total_q · hq · w` floats, `w` the tile width: d rounded up to 64,
+/// 128 or 256; the kernels address it by rows of `w`) and D (one float per query row and head),
+/// both written whole by `flash_bwd_prep` (the accumulator zeroed), then the `i32` semaphores
+/// (one per (sequence, head, query tile) in deterministic mode, else one) and the tile counter,
+/// zeroed on the stream before it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BwdScratch {
     pub d_offset: usize,
@@ -1182,9 +1194,11 @@ impl BwdScratch {
     }
 }
 
-/// The backward pass: D, then the main kernel, then dq's conversion, all on the device's
-/// stream. Scratch memory ([`BwdScratch`]) comes from `workspace` when given (zeroed here on
-/// the stream), else from a stream-ordered allocation freed after the call's work.
+/// The backward pass: D (and the dQ accumulator zeroed), then the main kernel, then dq's
+/// conversion, all on the device's stream. Scratch memory ([`BwdScratch`]) comes from
+/// `workspace` when given, else from a stream-ordered allocation freed after the call's work;
+/// either way only its semaphores and counter are zeroed here (a memset of the whole
+/// accumulator would be one more pass over it).
 pub(crate) fn backward<T: CudaElement>(
     dev: &Device,
     f: &BwdFunctions,
@@ -1210,8 +1224,10 @@ pub(crate) fn backward<T: CudaElement>(
             if ws.len() < scratch.bytes {
                 return Err(Error::BufferLength { tensor: "workspace", expected: scratch.bytes, got: ws.len() });
             }
-            let mut used = ws.slice_mut(..scratch.bytes);
-            stream.memset_zeros(&mut used).map_err(|e| driver_error("zero the workspace", e))?;
+            // The dQ accumulator is zeroed by `flash_bwd_prep` and D written whole by it: only
+            // the semaphores and the counter are zeroed here.
+            let mut counters = ws.slice_mut(scratch.sem_offset..scratch.bytes);
+            stream.memset_zeros(&mut counters).map_err(|e| driver_error("zero the workspace", e))?;
             let (p, sync) = ws.device_ptr_mut(stream);
             if p % 256 != 0 {
                 return Err(Error::Unsupported("the backward's workspace must be 256-byte aligned".into()));
@@ -1219,9 +1235,15 @@ pub(crate) fn backward<T: CudaElement>(
             (p, Some(sync))
         }
         None => {
+            // SAFETY: the allocation is stream-ordered; its bytes are written before they are read:
+            // the semaphores and the counter by the memset below, the dQ accumulator and D by
+            // `flash_bwd_prep`, which runs first on this stream.
             let buf = owned.insert(
-                stream.alloc_zeros::<u8>(scratch.bytes).map_err(|e| driver_error("alloc the backward's scratch", e))?,
+                unsafe { stream.alloc::<u8>(scratch.bytes) }
+                    .map_err(|e| driver_error("alloc the backward's scratch", e))?,
             );
+            let mut counters = buf.slice_mut(scratch.sem_offset..scratch.bytes);
+            stream.memset_zeros(&mut counters).map_err(|e| driver_error("zero the backward's scratch", e))?;
             let (p, _) = buf.device_ptr_mut(stream);
             (p, None)
         }
@@ -1319,7 +1341,8 @@ pub(crate) fn backward<T: CudaElement>(
 
     let rows = g.total_q * g.hq;
     if rows > 0 {
-        let cfg = LaunchConfig { grid_dim: (warp_grid(rows)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (aux_grid(rows, variant.d)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(&f.prep);
         b.arg(&params);
         // SAFETY: `BwdParams` matches the kernel's; `out`, `dout` and D hold every row the
@@ -1407,7 +1430,8 @@ pub(crate) fn backward<T: CudaElement>(
     let tail = if g.varlen { (g.total_k - k_covered) * g.hk } else { 0 };
     let items = rows.max(tail);
     if items > 0 {
-        let cfg = LaunchConfig { grid_dim: (warp_grid(items)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (aux_grid(items, variant.d)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(&f.convert);
         b.arg(&params);
         // SAFETY: as above; writes every dq row and the dk/dv rows of uncovered varlen tokens.
@@ -1421,6 +1445,25 @@ mod tests {
     use super::*;
     use crate::spec::AttentionSpec;
     use crate::tensor::Tensor;
+
+    #[test]
+    fn auxiliary_backward_grids_give_each_row_its_threads() {
+        // `PREP_G` in flash_bwd.cuh: 8, 16, 32 threads at widths 64, 128, 256, each thread on 8
+        // columns, so one pass covers a row; groups of a power of two that tile a warp.
+        for (d, want) in [(64, 8), (128, 16), (256, 32)] {
+            assert_eq!(aux_row_threads(d), want, "width {d}");
+        }
+        for &d in &crate::cuda::kernels::BWD_HEAD_DIMS {
+            let t = aux_row_threads(d);
+            assert!(t.is_power_of_two() && t <= 32 && 8 * t >= d, "width {d}: {t} threads");
+            for rows in [1usize, 7, 8, 31, 32, 33, 1000, 16384 * 32 + 5] {
+                let blocks = aux_grid(rows, d).expect("grid") as usize;
+                assert!(blocks * 256 >= rows * t && (blocks - 1) * 256 < rows * t, "{rows} rows at width {d}");
+            }
+        }
+        assert!(matches!(aux_grid(usize::MAX / 4, 256), Err(Error::Unsupported(_))));
+        assert!(matches!(aux_grid(1 << 40, 64), Err(Error::Unsupported(_))));
+    }
 
     #[test]
     fn forward_parameters_follow_the_geometry() {

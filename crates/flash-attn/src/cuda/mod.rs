@@ -544,8 +544,9 @@ impl Device {
     }
 
     /// [`Device::backward`] with its scratch memory in `workspace` (at least
-    /// [`Device::backward_workspace_bytes`], 256-byte aligned; zeroed here on the stream, and
-    /// in use until the stream's work of this call is done) instead of a stream-ordered
+    /// [`Device::backward_workspace_bytes`], 256-byte aligned; any contents: the call writes
+    /// every byte it reads, on the stream, and the workspace is in use until the stream's work
+    /// of this call is done) instead of a stream-ordered
     /// allocation of the device's memory pool.
     #[allow(clippy::too_many_arguments)]
     pub fn backward_with_workspace<T: CudaElement>(

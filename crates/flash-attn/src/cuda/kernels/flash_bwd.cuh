@@ -133,50 +133,83 @@ __device__ __forceinline__ void token_position(const BwdParams& p, int tok, int&
     }
 }
 
-// D_i = Σ_c dO[i, c] · O[i, c], one warp per (token, head); f32 sums of the dtype's products.
-extern "C" __global__ void __launch_bounds__(256) flash_bwd_prep(const BwdParams p) {
-    const int warp = (blockIdx.x * 256 + threadIdx.x) / 32, lane = threadIdx.x % 32;
-    if (warp >= p.total_q * p.hq) return;
-    const int tok = warp / p.hq, h = warp % p.hq;
-    int b, i;
-    token_position(p, tok, b, i);
-    const u16* o = p.o + b * p.o_batch + (long long)i * p.o_row + h * p.o_head;
-    const u16* d = p.dout + b * p.do_batch + (long long)i * p.do_row + h * p.do_head;
-    float sum = 0.f;
-    for (int c = 2 * lane; c < p.d; c += 64) {
-        u32 ow = *reinterpret_cast<const u32*>(o + c), dw = *reinterpret_cast<const u32*>(d + c);
-        sum += to_f32<FA_BF16 != 0>(ow & 0xffffu) * to_f32<FA_BF16 != 0>(dw & 0xffffu);
-        sum += to_f32<FA_BF16 != 0>(ow >> 16) * to_f32<FA_BF16 != 0>(dw >> 16);
-    }
+// The auxiliary kernels give each (token, head) row PREP_G threads, each on 8 columns (16 bytes
+// of a 16-bit row, two float4 of a dQaccum row) at a time: PREP_G is the power of two at or above
+// FA_D / 8, at most 32 (= `aux_row_threads` in src/cuda/launch.rs, which sizes their grids).
+// (One warp a row, 4 bytes a lane: at d 64 the two ran at 1.2 and 2.0 TB/s on an H200, and dQaccum
+// had a memset of its own; so, 3.8 TB/s with the zeroing and 4.0: docs/cuda-notes.md, session 53.)
+#define PREP_G (FA_D > 128 ? 32 : FA_D > 64 ? 16 : 8)
+static_assert(8 * PREP_G >= FA_D || PREP_G == 32, "a row's columns in one pass (below 256)");
+
+// Sum over a row's PREP_G threads (aligned groups of a warp; every lane of the warp takes part).
+__device__ __forceinline__ float row_sum(float x) {
 #pragma unroll
-    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    if (lane == 0) p.dpsum[b * p.lse_batch + h * p.lse_head + i] = sum;
+    for (int s = PREP_G / 2; s > 0; s >>= 1) x += __shfl_xor_sync(0xffffffffu, x, s);
+    return x;
 }
 
-// dq = scale · dQaccum in the dtype, one warp per (token, head); for varlen, the dk and dv rows
-// of key tokens past the last sequence (no query sees them) are zeroed.
+// D_i = Σ_c dO[i, c] · O[i, c] (f32 sums of the dtype's products), and the row's dQaccum zeroed
+// (the main kernel adds into it), PREP_G threads per (token, head).
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_prep(const BwdParams p) {
+    const long long row = ((long long)blockIdx.x * 256 + threadIdx.x) / PREP_G;
+    const int sub = threadIdx.x % PREP_G;
+    // No early return: the shuffles below take every lane of the warp.
+    const bool live = row < (long long)p.total_q * p.hq;
+    float sum = 0.f;
+    int b = 0, i = 0, h = 0;
+    if (live) {
+        const int tok = (int)(row / p.hq);
+        h = (int)(row % p.hq);
+        token_position(p, tok, b, i);
+        const u16* o = p.o + b * p.o_batch + (long long)i * p.o_row + h * p.o_head;
+        const u16* d = p.dout + b * p.do_batch + (long long)i * p.do_row + h * p.do_head;
+        // 16-byte loads: rows and strides are 16-byte aligned (checked on the host), d % 8 == 0.
+        for (int c = 8 * sub; c < p.d; c += 8 * PREP_G) {
+            const uint4 ow = *reinterpret_cast<const uint4*>(o + c), dw = *reinterpret_cast<const uint4*>(d + c);
+            const u32 ov[4] = {ow.x, ow.y, ow.z, ow.w}, dv[4] = {dw.x, dw.y, dw.z, dw.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                sum += to_f32<FA_BF16 != 0>(ov[k] & 0xffffu) * to_f32<FA_BF16 != 0>(dv[k] & 0xffffu);
+                sum += to_f32<FA_BF16 != 0>(ov[k] >> 16) * to_f32<FA_BF16 != 0>(dv[k] >> 16);
+            }
+        }
+        float* acc = p.dq_accum + row * FA_D;
+        for (int c = 8 * sub; c < FA_D; c += 8 * PREP_G) {
+            *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+            *reinterpret_cast<float4*>(acc + c + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    sum = row_sum(sum);
+    if (live && sub == 0) p.dpsum[b * p.lse_batch + h * p.lse_head + i] = sum;
+}
+
+// dq = scale · dQaccum in the dtype, PREP_G threads per (token, head); for varlen, the dk and dv
+// rows of key tokens past the last sequence (no query sees them) are zeroed.
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_convert(const BwdParams p) {
-    const int warp = (blockIdx.x * 256 + threadIdx.x) / 32, lane = threadIdx.x % 32;
-    if (warp < p.total_q * p.hq) {
-        const int tok = warp / p.hq, h = warp % p.hq;
+    const long long row = ((long long)blockIdx.x * 256 + threadIdx.x) / PREP_G;
+    const int sub = threadIdx.x % PREP_G;
+    if (row < (long long)p.total_q * p.hq) {
+        const int tok = (int)(row / p.hq), h = (int)(row % p.hq);
         int b, i;
         token_position(p, tok, b, i);
-        const float* acc = p.dq_accum + ((long long)tok * p.hq + h) * FA_D;
+        const float* acc = p.dq_accum + row * FA_D;
         u16* dq = p.dq + b * p.dq_batch + (long long)i * p.dq_row + h * p.dq_head;
-        for (int c = 2 * lane; c < p.d; c += 64) {
-            float2 a = *reinterpret_cast<const float2*>(acc + c);
-            *reinterpret_cast<u32*>(dq + c) = pack2<FA_BF16 != 0>(a.x * p.scale, a.y * p.scale);
+        for (int c = 8 * sub; c < p.d; c += 8 * PREP_G) {
+            const float4 a = *reinterpret_cast<const float4*>(acc + c), e = *reinterpret_cast<const float4*>(acc + c + 4);
+            const float s = p.scale;
+            *reinterpret_cast<uint4*>(dq + c) = make_uint4(pack2<FA_BF16 != 0>(a.x * s, a.y * s), pack2<FA_BF16 != 0>(a.z * s, a.w * s),
+                                                           pack2<FA_BF16 != 0>(e.x * s, e.y * s), pack2<FA_BF16 != 0>(e.z * s, e.w * s));
         }
     }
     if (p.cu_seqlens_q) {
-        const int tail = (p.total_k - p.k_covered) * p.hk;
-        if (warp < tail) {
-            const int tok = p.k_covered + warp / p.hk, h = warp % p.hk;
+        const long long tail = (long long)(p.total_k - p.k_covered) * p.hk;
+        if (row < tail) {
+            const int tok = p.k_covered + (int)(row / p.hk), h = (int)(row % p.hk);
             u16* dk = p.dk + (long long)tok * p.dk_row + h * p.dk_head;
             u16* dv = p.dv + (long long)tok * p.dv_row + h * p.dv_head;
-            for (int c = 2 * lane; c < p.d; c += 64) {
-                *reinterpret_cast<u32*>(dk + c) = 0u;
-                *reinterpret_cast<u32*>(dv + c) = 0u;
+            for (int c = 8 * sub; c < p.d; c += 8 * PREP_G) {
+                *reinterpret_cast<uint4*>(dk + c) = make_uint4(0u, 0u, 0u, 0u);
+                *reinterpret_cast<uint4*>(dv + c) = make_uint4(0u, 0u, 0u, 0u);
             }
         }
     }
