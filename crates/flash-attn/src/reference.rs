@@ -237,62 +237,63 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         R::from_f32(data[i].to_f32())
     }
 
-    /// DESIGN §2 steps 1-5 for query head `h` of `seq`.
-    fn probs(&self, seq: &Sequence, h: usize) -> Probs<R> {
-        let (g, round) = (self.g, self.round);
-        let (sq, sk) = (seq.sq, seq.sk);
-        let off = seq.offset();
-        let hk = g.kv_head(h);
-        let vis = g.visibility(seq, h);
-        let scale = R::from_f32(g.scale);
-        let cap = g.softcap.map(R::from_f32);
-        let slope = g.alibi_slope(seq, h).map(R::from_f32);
-        let mut p = vec![R::ZERO; sq * sk];
-        let mut tanh = Vec::new();
-        // S = scale · Q Kᵀ, softcap, ALiBi, mask (steps 1-4).
-        for i in 0..sq {
-            let qi = g.q.row(seq, seq.q_start, i, h);
-            for j in 0..sk {
-                let kj = g.k.row(seq, seq.k_start, j, hk);
-                let mut dot = R::ZERO;
-                for x in 0..g.d {
-                    dot = dot + Self::x(self.q, qi + x) * Self::x(self.k, kj + x);
+    /// Rows `0..n` of one head of `data` (first element of row `r` at `row(r)`), `w` values each,
+    /// in `R`, one after another.
+    fn widen(data: &[T], n: usize, w: usize, row: impl Fn(usize) -> usize) -> Vec<R> {
+        (0..n).flat_map(|r| (row(r)..row(r) + w).map(|e| Self::x(data, e))).collect()
+    }
+
+    /// `out[r] = Σ_c a[c] · b[r·d + c]` (d = `a.len()`), each sum in order over c from zero; four
+    /// rows at a time, so that their chains of additions overlap (the same bits as one at a time).
+    fn dots(a: &[R], b: &[R], out: &mut [R]) {
+        let d = a.len();
+        for (blk, o) in out.chunks_mut(4).enumerate() {
+            let rows = &b[4 * blk * d..];
+            if let [o0, o1, o2, o3] = o {
+                let (mut s0, mut s1, mut s2, mut s3) = (R::ZERO, R::ZERO, R::ZERO, R::ZERO);
+                for (c, &x) in a.iter().enumerate() {
+                    s0 = s0 + x * rows[c];
+                    s1 = s1 + x * rows[d + c];
+                    s2 = s2 + x * rows[2 * d + c];
+                    s3 = s3 + x * rows[3 * d + c];
                 }
-                let mut sij = (round.score)(scale * dot);
-                if let Some(c) = cap {
-                    let t = (sij / c).tanh();
-                    tanh.push(t);
-                    sij = c * t;
+                (*o0, *o1, *o2, *o3) = (s0, s1, s2, s3);
+            } else {
+                for (r, or) in o.iter_mut().enumerate() {
+                    let mut s = R::ZERO;
+                    for (c, &x) in a.iter().enumerate() {
+                        s = s + x * rows[r * d + c];
+                    }
+                    *or = s;
                 }
-                if let Some(m) = slope {
-                    let dist = R::from_f32((i as i64 + off - j as i64).unsigned_abs() as f32);
-                    sij = sij - m * dist;
-                }
-                p[i * sk + j] = if vis.visible(i, j) { sij } else { R::NEG_INF };
             }
         }
-        // P = softmax(S) row by row (step 5); P overwrites S.
+    }
+
+    /// DESIGN §2 steps 1-5 for query head `h` of `seq`, its rows on rayon's threads (each row's
+    /// arithmetic that of one thread).
+    fn probs(&self, seq: &Sequence, h: usize) -> Probs<R> {
+        let g = self.g;
+        let (sq, sk) = (seq.sq, seq.sk);
+        let mut p = vec![R::ZERO; sq * sk];
+        let mut tanh = if g.softcap.is_some() { vec![R::ZERO; sq * sk] } else { Vec::new() };
         let mut lse = vec![f64::NEG_INFINITY; sq];
         let mut sums = vec![R::ZERO; sq];
-        for (i, row) in p.chunks_mut(sk.max(1)).take(sq).enumerate() {
-            // The row maximum, NaN if any score is NaN (so NaN inputs propagate).
-            #[allow(clippy::eq_op)]
-            let m = row.iter().fold(R::NEG_INF, |a, &b| if b > a || b != b { b } else { a });
-            if m == R::NEG_INF {
-                row.fill(R::ZERO); // no visible key: P = 0, lse = -inf
-                continue;
-            }
-            let mut sum = R::ZERO;
-            for x in row.iter_mut() {
-                *x = (*x - m).exp();
-                sum = sum + *x;
-            }
-            lse[i] = (m + sum.ln()).to_f64();
-            sums[i] = sum;
-            if !round.normalize_after_pv {
-                for x in row.iter_mut() {
-                    *x = (round.p)(*x / sum);
-                }
+        if sk > 0 {
+            let hk = g.kv_head(h);
+            let kw = Self::widen(self.k, sk, g.d, |j| g.k.row(seq, seq.k_start, j, hk));
+            let rows: Vec<(R, f64)> = if tanh.is_empty() {
+                p.par_chunks_mut(sk).enumerate().map(|(i, row)| self.probs_row(seq, h, i, &kw, row, None)).collect()
+            } else {
+                p.par_chunks_mut(sk)
+                    .zip(tanh.par_chunks_mut(sk))
+                    .enumerate()
+                    .map(|(i, (row, t))| self.probs_row(seq, h, i, &kw, row, Some(t)))
+                    .collect()
+            };
+            for (i, (sum, l)) in rows.into_iter().enumerate() {
+                sums[i] = sum;
+                lse[i] = l;
             }
         }
         // Dropout factors (step 6), from the same Philox stream as every backend.
@@ -301,17 +302,77 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
             Some(dr) => {
                 let rng = DropoutRng::new(dr.p, dr.seed, dr.offset);
                 let kept = R::from_f32(rng.scale());
-                let mut keep = Vec::with_capacity(sq * sk);
-                for i in 0..sq {
-                    for j in 0..sk {
-                        let on = rng.keep(seq.batch as u32, h as u32, g.hq as u32, i as u32, j as u32);
-                        keep.push(if on { kept } else { R::ZERO });
-                    }
+                let mut keep = vec![R::ZERO; sq * sk];
+                if sk > 0 {
+                    keep.par_chunks_mut(sk).enumerate().for_each(|(i, row)| {
+                        for (j, f) in row.iter_mut().enumerate() {
+                            let on = rng.keep(seq.batch as u32, h as u32, g.hq as u32, i as u32, j as u32);
+                            *f = if on { kept } else { R::ZERO };
+                        }
+                    });
                 }
                 keep
             }
         };
         Probs { p, sum: sums, keep, tanh, lse }
+    }
+
+    /// Row `i` of [`Oracle::probs`]: `S` (steps 1-4) into `row`, then `P = softmax(S)` over it
+    /// (step 5), and `tanh(s / c)` into `tanh` with a softcap; returns the row's sum of the
+    /// unrounded `exp(s - max)` and its lse (0 and `-inf` for a row that sees no key). `kw`: the
+    /// head's keys, widened.
+    fn probs_row(
+        &self,
+        seq: &Sequence,
+        h: usize,
+        i: usize,
+        kw: &[R],
+        row: &mut [R],
+        mut tanh: Option<&mut [R]>,
+    ) -> (R, f64) {
+        let (g, round) = (self.g, self.round);
+        let off = seq.offset();
+        let vis = g.visibility(seq, h);
+        let scale = R::from_f32(g.scale);
+        let cap = g.softcap.map(R::from_f32);
+        let slope = g.alibi_slope(seq, h).map(R::from_f32);
+        // S = scale · Q Kᵀ, softcap, ALiBi, mask (steps 1-4).
+        let qi = Self::widen(self.q, 1, g.d, |_| g.q.row(seq, seq.q_start, i, h));
+        Self::dots(&qi, kw, row);
+        for (j, x) in row.iter_mut().enumerate() {
+            let mut sij = (round.score)(scale * *x);
+            if let Some(c) = cap {
+                let t = (sij / c).tanh();
+                if let Some(tr) = tanh.as_deref_mut() {
+                    tr[j] = t;
+                }
+                sij = c * t;
+            }
+            if let Some(m) = slope {
+                let dist = R::from_f32((i as i64 + off - j as i64).unsigned_abs() as f32);
+                sij = sij - m * dist;
+            }
+            *x = if vis.visible(i, j) { sij } else { R::NEG_INF };
+        }
+        // P = softmax(S) (step 5); P overwrites S. The row maximum is NaN if any score is NaN
+        // (so NaN inputs propagate).
+        #[allow(clippy::eq_op)]
+        let m = row.iter().fold(R::NEG_INF, |a, &b| if b > a || b != b { b } else { a });
+        if m == R::NEG_INF {
+            row.fill(R::ZERO); // no visible key: P = 0, lse = -inf
+            return (R::ZERO, f64::NEG_INFINITY);
+        }
+        let mut sum = R::ZERO;
+        for x in row.iter_mut() {
+            *x = (*x - m).exp();
+            sum = sum + *x;
+        }
+        if !round.normalize_after_pv {
+            for x in row.iter_mut() {
+                *x = (round.p)(*x / sum);
+            }
+        }
+        (sum, (m + sum.ln()).to_f64())
     }
 
     /// `P'` of element `e`: the probability after dropout, as `P·V` reads it.
@@ -352,23 +413,28 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         let hk = g.kv_head(h);
         let vis = g.visibility(seq, h);
         let mut out = vec![0.0f64; seq.sq * g.dv];
-        for i in 0..seq.sq {
-            // O = P' V over the keys row i sees (step 7): an invisible key contributes nothing,
-            // not 0 · v_j (which would let a NaN value reach rows that cannot see it).
-            let seen: Vec<usize> = (0..seq.sk).filter(|&j| vis.visible(i, j)).collect();
-            for x in 0..g.dv {
-                let mut acc = R::ZERO;
-                for &j in &seen {
-                    let vj = g.v.row(seq, seq.k_start, j, hk);
-                    acc = acc + self.dropped(&pr, i * seq.sk + j) * Self::x(self.v, vj + x);
+        // Rows on rayon's threads (dv > 0: Geometry checks it), each one's sums in the order of
+        // one thread.
+        let vw = Self::widen(self.v, seq.sk, g.dv, |j| g.v.row(seq, seq.k_start, j, hk));
+        out.par_chunks_mut(g.dv).enumerate().for_each(|(i, o)| {
+            // O = P' V over the keys row i sees (step 7): an invisible key contributes
+            // nothing, not 0 · v_j (which would let a NaN value reach rows that cannot see it).
+            // Each column's sum in key order; the columns side by side.
+            let mut acc = vec![R::ZERO; g.dv];
+            for j in (0..seq.sk).filter(|&j| vis.visible(i, j)) {
+                let pj = self.dropped(&pr, i * seq.sk + j);
+                for (a, &vx) in acc.iter_mut().zip(&vw[j * g.dv..(j + 1) * g.dv]) {
+                    *a = *a + pj * vx;
                 }
+            }
+            for (ox, mut a) in o.iter_mut().zip(acc) {
                 // (A row whose sum is 0 saw no key with a finite score: its P is 0.)
                 if self.round.normalize_after_pv && pr.sum[i] > R::ZERO {
-                    acc = acc / pr.sum[i];
+                    a = a / pr.sum[i];
                 }
-                out[i * g.dv + x] = (self.round.out)(acc).to_f64();
+                *ox = (self.round.out)(a).to_f64();
             }
-        }
+        });
         (out, pr.lse)
     }
 
@@ -404,53 +470,70 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         ReferenceGrads { dq: widen(dq), dk: widen(dk), dv: widen(dvv) }
     }
 
-    /// The gradients of kv head `hk` of `seq` and of its query heads, taken in order.
+    /// The gradients of kv head `hk` of `seq` and of its query heads, taken in order. Each head
+    /// in two steps on rayon's threads: its rows (`dP`, `dS`, `P'` and `dQ` of a query row, summed
+    /// over the keys in order), then its keys (`dK` and `dV` of a key, summed over the rows in
+    /// order, on top of the earlier heads'): every sum in the order of one thread's loop over
+    /// heads, rows and keys.
     fn group_backward(&self, seq: &Sequence, hk: usize, (dout, dl): (&[T], RowLayout)) -> GroupGrads<R> {
         let g = self.g;
         let (d, dv) = (g.d, g.dv);
         let (sq, sk) = (seq.sq, seq.sk);
         let scale = R::from_f32(g.scale);
         let mut grads = GroupGrads { dq: Vec::new(), dk: vec![R::ZERO; sk * d], dv: vec![R::ZERO; sk * dv] };
+        let kw = Self::widen(self.k, sk, d, |j| g.k.row(seq, seq.k_start, j, hk));
+        let vw = Self::widen(self.v, sk, dv, |j| g.v.row(seq, seq.k_start, j, hk));
         for h in (0..g.hq).filter(|&h| g.kv_head(h) == hk) {
             let pr = self.probs(seq, h);
+            let qw = Self::widen(self.q, sq, d, |i| g.q.row(seq, seq.q_start, i, h));
+            let ow = Self::widen(dout, sq, dv, |i| dl.row(seq, seq.q_start, i, h));
             let mut dq = vec![R::ZERO; sq * d];
-            for i in 0..sq {
-                let oi = dl.row(seq, seq.q_start, i, h);
-                // dP' = dO Vᵀ, dP = dP' ∘ keep / (1 - p)
-                let mut dp = vec![R::ZERO; sk];
-                for (j, dpj) in dp.iter_mut().enumerate() {
-                    let vj = g.v.row(seq, seq.k_start, j, hk);
-                    let mut acc = R::ZERO;
-                    for x in 0..dv {
-                        acc = acc + Self::x(dout, oi + x) * Self::x(self.v, vj + x);
+            // dS (scaled) and P' of every pair, row-major.
+            let (mut ds, mut pd) = (vec![R::ZERO; sq * sk], vec![R::ZERO; sq * sk]);
+            if sk > 0 {
+                let rows = ds.par_chunks_mut(sk).zip(pd.par_chunks_mut(sk));
+                let rows = rows.zip(dq.par_chunks_mut(d)).enumerate();
+                rows.for_each(|(i, ((ds, pd), dq))| {
+                    // dP' = dO Vᵀ, dP = dP' ∘ keep / (1 - p)
+                    let mut dp = vec![R::ZERO; sk];
+                    Self::dots(&ow[i * dv..(i + 1) * dv], &vw, &mut dp);
+                    for (j, dpj) in dp.iter_mut().enumerate() {
+                        *dpj = (self.round.out)(*dpj);
+                        if let Some(&f) = pr.keep.get(i * sk + j) {
+                            *dpj = *dpj * f;
+                        }
                     }
-                    *dpj = (self.round.out)(acc);
-                    if let Some(&f) = pr.keep.get(i * sk + j) {
-                        *dpj = *dpj * f;
+                    // Softmax Jacobian: dS = P ∘ (dP - Σ_j P dP).
+                    let row = &pr.p[i * sk..(i + 1) * sk];
+                    let dsum = row.iter().zip(&dp).fold(R::ZERO, |a, (&p, &dpj)| a + p * dpj);
+                    for j in 0..sk {
+                        let e = i * sk + j;
+                        pd[j] = self.dropped(&pr, e);
+                        let mut s = (self.round.out)(row[j] * (dp[j] - dsum));
+                        if let Some(&t) = pr.tanh.get(e) {
+                            s = s * (R::from_f32(1.0) - t * t); // d(c·tanh(x/c))/dx
+                        }
+                        let s = s * scale;
+                        ds[j] = s;
+                        // dQ_i += dS_ij K_j
+                        for (t, &kx) in dq.iter_mut().zip(&kw[j * d..(j + 1) * d]) {
+                            *t = *t + s * kx;
+                        }
                     }
-                }
-                // Softmax Jacobian: dS = P ∘ (dP - Σ_j P dP).
-                let row = &pr.p[i * sk..(i + 1) * sk];
-                let dsum = row.iter().zip(&dp).fold(R::ZERO, |a, (&p, &dpj)| a + p * dpj);
-                for j in 0..sk {
-                    let e = i * sk + j;
-                    let pd = self.dropped(&pr, e);
-                    // dV_j += P'_ij dO_i
-                    for x in 0..dv {
-                        let t = j * dv + x;
-                        grads.dv[t] = grads.dv[t] + pd * Self::x(dout, oi + x);
+                });
+                // dV_j += P'_ij dO_i, dK_j += dS_ij Q_i, over the rows in order.
+                let keys = grads.dv.par_chunks_mut(dv).zip(grads.dk.par_chunks_mut(d)).enumerate();
+                keys.for_each(|(j, (dvj, dkj))| {
+                    for i in 0..sq {
+                        let e = i * sk + j;
+                        for (t, &ox) in dvj.iter_mut().zip(&ow[i * dv..(i + 1) * dv]) {
+                            *t = *t + pd[e] * ox;
+                        }
+                        for (t, &qx) in dkj.iter_mut().zip(&qw[i * d..(i + 1) * d]) {
+                            *t = *t + ds[e] * qx;
+                        }
                     }
-                    let mut ds = (self.round.out)(row[j] * (dp[j] - dsum));
-                    if let Some(&t) = pr.tanh.get(e) {
-                        ds = ds * (R::from_f32(1.0) - t * t); // d(c·tanh(x/c))/dx
-                    }
-                    let ds = ds * scale;
-                    let (qi, kj) = (g.q.row(seq, seq.q_start, i, h), g.k.row(seq, seq.k_start, j, hk));
-                    for x in 0..d {
-                        dq[i * d + x] = dq[i * d + x] + ds * Self::x(self.k, kj + x);
-                        grads.dk[j * d + x] = grads.dk[j * d + x] + ds * Self::x(self.q, qi + x);
-                    }
-                }
+                });
             }
             grads.dq.push((h, dq));
         }
