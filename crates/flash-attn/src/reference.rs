@@ -270,9 +270,14 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         }
     }
 
+    /// The keys of kv head `hk` of `seq`, widened ([`Oracle::widen`]).
+    fn keys(&self, seq: &Sequence, hk: usize) -> Vec<R> {
+        Self::widen(self.k, seq.sk, self.g.d, |j| self.g.k.row(seq, seq.k_start, j, hk))
+    }
+
     /// DESIGN §2 steps 1-5 for query head `h` of `seq`, its rows on rayon's threads (each row's
-    /// arithmetic that of one thread).
-    fn probs(&self, seq: &Sequence, h: usize) -> Probs<R> {
+    /// arithmetic that of one thread); `kw`: its kv head's [`Oracle::keys`].
+    fn probs(&self, seq: &Sequence, h: usize, kw: &[R]) -> Probs<R> {
         let g = self.g;
         let (sq, sk) = (seq.sq, seq.sk);
         let mut p = vec![R::ZERO; sq * sk];
@@ -280,15 +285,13 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         let mut lse = vec![f64::NEG_INFINITY; sq];
         let mut sums = vec![R::ZERO; sq];
         if sk > 0 {
-            let hk = g.kv_head(h);
-            let kw = Self::widen(self.k, sk, g.d, |j| g.k.row(seq, seq.k_start, j, hk));
             let rows: Vec<(R, f64)> = if tanh.is_empty() {
-                p.par_chunks_mut(sk).enumerate().map(|(i, row)| self.probs_row(seq, h, i, &kw, row, None)).collect()
+                p.par_chunks_mut(sk).enumerate().map(|(i, row)| self.probs_row(seq, h, i, kw, row, None)).collect()
             } else {
                 p.par_chunks_mut(sk)
                     .zip(tanh.par_chunks_mut(sk))
                     .enumerate()
-                    .map(|(i, (row, t))| self.probs_row(seq, h, i, &kw, row, Some(t)))
+                    .map(|(i, (row, t))| self.probs_row(seq, h, i, kw, row, Some(t)))
                     .collect()
             };
             for (i, (sum, l)) in rows.into_iter().enumerate() {
@@ -409,8 +412,8 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
     /// `out` (`sq × dv`) and `lse` of query head `h` of `seq`.
     fn forward_head(&self, seq: &Sequence, h: usize) -> (Vec<f64>, Vec<f64>) {
         let g = self.g;
-        let pr = self.probs(seq, h);
         let hk = g.kv_head(h);
+        let pr = self.probs(seq, h, &self.keys(seq, hk));
         let vis = g.visibility(seq, h);
         let mut out = vec![0.0f64; seq.sq * g.dv];
         // Rows on rayon's threads (dv > 0: Geometry checks it), each one's sums in the order of
@@ -481,10 +484,10 @@ impl<'g, 'a, R: Real, T: Element> Oracle<'g, 'a, R, T> {
         let (sq, sk) = (seq.sq, seq.sk);
         let scale = R::from_f32(g.scale);
         let mut grads = GroupGrads { dq: Vec::new(), dk: vec![R::ZERO; sk * d], dv: vec![R::ZERO; sk * dv] };
-        let kw = Self::widen(self.k, sk, d, |j| g.k.row(seq, seq.k_start, j, hk));
+        let kw = self.keys(seq, hk);
         let vw = Self::widen(self.v, sk, dv, |j| g.v.row(seq, seq.k_start, j, hk));
         for h in (0..g.hq).filter(|&h| g.kv_head(h) == hk) {
-            let pr = self.probs(seq, h);
+            let pr = self.probs(seq, h, &kw);
             let qw = Self::widen(self.q, sq, d, |i| g.q.row(seq, seq.q_start, i, h));
             let ow = Self::widen(dout, sq, dv, |i| dl.row(seq, seq.q_start, i, h));
             let mut dq = vec![R::ZERO; sq * d];
