@@ -857,6 +857,66 @@ fn backward_writes_dk_and_dv_of_key_tiles_no_query_sees() {
     }
 }
 
+/// `Device::backward` writes every dq row on a caller buffer that held anything before: with
+/// bottom-right causal and more queries than keys, the first `sq - sk` queries see no key (whole
+/// query tiles of them, to which no item of the main kernel adds: a kernel that converted dq in
+/// the main kernel, as session 54 tried, must still write them); those rows exactly zero, the
+/// gradients within the contract. GQA, fixed length, d 64 and 128 (the warp-specialised kernel
+/// with a dQ tile on Hopper).
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn backward_writes_dq_of_queries_that_see_no_key() {
+    let dev = cuda::default_device().expect("a CUDA device");
+    let mut rng = Rng::new(0xd0_5eed);
+    let (b, hq, hk, sq, sk) = (2usize, 6usize, 2usize, 700usize, 190usize);
+    let stream = dev.stream();
+    for d in [64, 128] {
+        let mut r = |n: usize| (0..n).map(|_| bf16::from_f64(rng.normal())).collect::<Vec<_>>();
+        let (q, k, v, dout) = (r(b * sq * hq * d), r(b * sk * hk * d), r(b * sk * hk * d), r(b * sq * hq * d));
+        let (qs, ks) = ([b, sq, hq, d], [b, sk, hk, d]);
+        let spec = AttentionSpec::new().causal();
+        let (qh, kh, vh, doh) =
+            (Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &ks), Tensor::new(&dout, &qs));
+        let fwd = cuda::forward_host(&spec, &qh, &kh, &vh).expect("cuda forward");
+        let up = |x: &[bf16]| dev.upload(x).expect("upload");
+        let (qd, kd, vd, od, dod) = (up(&q), up(&k), up(&v), up(&fwd.out), up(&dout));
+        let lse = stream.clone_htod(&fwd.lse).expect("upload");
+        let junk = |n: usize| dev.upload(&vec![bf16::from_f32(7.0); n]).expect("upload");
+        let (mut gq, mut gk, mut gv) = (junk(q.len()), junk(k.len()), junk(v.len()));
+        dev.backward(
+            &spec,
+            &cuda::DeviceTensor::new(qd.as_view(), &qs),
+            &cuda::DeviceTensor::new(kd.as_view(), &ks),
+            &cuda::DeviceTensor::new(vd.as_view(), &ks),
+            &cuda::DeviceTensor::new(od.as_view(), &qs),
+            &lse.as_view(),
+            &cuda::DeviceTensor::new(dod.as_view(), &qs),
+            &mut cuda::DeviceTensorMut::new(gq.as_view_mut(), &qs),
+            &mut cuda::DeviceTensorMut::new(gk.as_view_mut(), &ks),
+            &mut cuda::DeviceTensorMut::new(gv.as_view_mut(), &ks),
+        )
+        .expect("cuda backward");
+        let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).expect("download");
+        let (dq, dk, dv) = (down(&gq), down(&gk), down(&gv));
+        for (i, x) in dq.iter().enumerate() {
+            if (i / (hq * d)) % sq < sq - sk {
+                assert!(x.to_f32() == 0.0, "d {d}: dq of a query that sees no key");
+            }
+        }
+        let oracle = reference::backward(&spec, &qh, &kh, &vh, &doh).expect("oracle");
+        let naive = reference::naive_backward(&spec, &qh, &kh, &vh, &doh).expect("naive");
+        let widen = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
+        let m = flash_attn::check::max_abs(&oracle.dq).max(flash_attn::check::max_abs(&oracle.dk));
+        let m = m.max(flash_attn::check::max_abs(&oracle.dv));
+        for (name, ours, o, n) in
+            [("dq", &dq, &oracle.dq, &naive.dq), ("dk", &dk, &oracle.dk, &naive.dk), ("dv", &dv, &oracle.dv, &naive.dv)]
+        {
+            let cmp = flash_attn::check::compare_gradient(&widen(ours), o, n, DType::BF16, m);
+            assert!(cmp.passed(), "d {d} {name}: {cmp}");
+        }
+    }
+}
+
 /// Varlen tokens past the last sequence get `out = 0` and `lse = -inf` (DESIGN §2) from
 /// `Device::forward` on caller buffers that held anything before, contiguous or strided.
 #[test]
