@@ -797,7 +797,6 @@ fn backward_writes_dk_and_dv_of_key_tiles_no_query_sees() {
     let (bq, bk) = (64, 128);
     let (nqb, nkb) = (sq.div_ceil(bq), sk.div_ceil(bk));
     let mask: Vec<u8> = (0..nqb * nkb).map(|x| u8::from(x % nkb != 2 && (x % nkb == 0 || rng.chance(0.6)))).collect();
-    let stream = dev.stream();
     for d in [64, 128] {
         let mut r = |n: usize| (0..n).map(|_| bf16::from_f64(rng.normal())).collect::<Vec<_>>();
         let (q, k, v, dout) = (r(b * sq * hq * d), r(b * sk * hk * d), r(b * sk * hk * d), r(b * sq * hq * d));
@@ -811,49 +810,71 @@ fn backward_writes_dk_and_dv_of_key_tiles_no_query_sees() {
             AttentionSpec::new().causal_top_left(),
         ];
         for spec in specs {
-            let (qh, kh, vh, doh) =
-                (Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &ks), Tensor::new(&dout, &qs));
-            let fwd = cuda::forward_host(&spec, &qh, &kh, &vh).expect("cuda forward");
-            let up = |x: &[bf16]| dev.upload(x).expect("upload");
-            let (qd, kd, vd, od, dod) = (up(&q), up(&k), up(&v), up(&fwd.out), up(&dout));
-            let lse = stream.clone_htod(&fwd.lse).expect("upload");
-            let junk = |n: usize| dev.upload(&vec![bf16::from_f32(7.0); n]).expect("upload");
-            let (mut gq, mut gk, mut gv) = (junk(q.len()), junk(k.len()), junk(v.len()));
-            dev.backward(
-                &spec,
-                &cuda::DeviceTensor::new(qd.as_view(), &qs),
-                &cuda::DeviceTensor::new(kd.as_view(), &ks),
-                &cuda::DeviceTensor::new(vd.as_view(), &ks),
-                &cuda::DeviceTensor::new(od.as_view(), &qs),
-                &lse.as_view(),
-                &cuda::DeviceTensor::new(dod.as_view(), &qs),
-                &mut cuda::DeviceTensorMut::new(gq.as_view_mut(), &qs),
-                &mut cuda::DeviceTensorMut::new(gk.as_view_mut(), &ks),
-                &mut cuda::DeviceTensorMut::new(gv.as_view_mut(), &ks),
-            )
-            .expect("cuda backward");
-            let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).expect("download");
-            let (dq, dk, dv) = (down(&gq), down(&gk), down(&gv));
+            let h = [Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &ks), Tensor::new(&dout, &qs)];
+            let grads = backward_on_buffers_of_sevens(dev, &spec, &h);
             let row = hk * d;
-            for (i, (a, c)) in dk.iter().zip(&dv).enumerate() {
+            for (i, (a, c)) in grads[1].iter().zip(&grads[2]).enumerate() {
                 if unseen(&spec, (i / row) % sk) {
                     assert!(a.to_f32() == 0.0 && c.to_f32() == 0.0, "d {d} {spec:?}: dk/dv of an unseen key");
                 }
             }
-            let oracle = reference::backward(&spec, &qh, &kh, &vh, &doh).expect("oracle");
-            let naive = reference::naive_backward(&spec, &qh, &kh, &vh, &doh).expect("naive");
-            let widen = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
-            let m = flash_attn::check::max_abs(&oracle.dq).max(flash_attn::check::max_abs(&oracle.dk));
-            let m = m.max(flash_attn::check::max_abs(&oracle.dv));
-            for (name, ours, o, n) in [
-                ("dq", &dq, &oracle.dq, &naive.dq),
-                ("dk", &dk, &oracle.dk, &naive.dk),
-                ("dv", &dv, &oracle.dv, &naive.dv),
-            ] {
-                let cmp = flash_attn::check::compare_gradient(&widen(ours), o, n, DType::BF16, m);
-                assert!(cmp.passed(), "d {d} {spec:?} {name}: {cmp}");
-            }
+            assert_gradients_meet_the_contract(&spec, &h, &grads, &format!("d {d} {spec:?}"));
         }
+    }
+}
+
+/// `Device::backward` of `spec` on host tensors `[q, k, v, dout]` (bf16; out and lse from the
+/// device's forward), its gradients written to device buffers that held 7s, downloaded.
+fn backward_on_buffers_of_sevens(
+    dev: &cuda::Device,
+    spec: &AttentionSpec<'_>,
+    h: &[Tensor<'_, bf16>; 4],
+) -> [Vec<bf16>; 3] {
+    let [qh, kh, vh, doh] = h;
+    let stream = dev.stream();
+    let fwd = cuda::forward_host(spec, qh, kh, vh).expect("cuda forward");
+    let up = |x: &[bf16]| dev.upload(x).expect("upload");
+    let (qd, kd, vd, od, dod) = (up(qh.data()), up(kh.data()), up(vh.data()), up(&fwd.out), up(doh.data()));
+    let lse = stream.clone_htod(&fwd.lse).expect("upload");
+    let junk = |n: usize| dev.upload(&vec![bf16::from_f32(7.0); n]).expect("upload");
+    let (mut gq, mut gk, mut gv) = (junk(qh.data().len()), junk(kh.data().len()), junk(vh.data().len()));
+    dev.backward(
+        spec,
+        &cuda::DeviceTensor::new(qd.as_view(), qh.shape()),
+        &cuda::DeviceTensor::new(kd.as_view(), kh.shape()),
+        &cuda::DeviceTensor::new(vd.as_view(), vh.shape()),
+        &cuda::DeviceTensor::new(od.as_view(), qh.shape()),
+        &lse.as_view(),
+        &cuda::DeviceTensor::new(dod.as_view(), doh.shape()),
+        &mut cuda::DeviceTensorMut::new(gq.as_view_mut(), qh.shape()),
+        &mut cuda::DeviceTensorMut::new(gk.as_view_mut(), kh.shape()),
+        &mut cuda::DeviceTensorMut::new(gv.as_view_mut(), vh.shape()),
+    )
+    .expect("cuda backward");
+    [gq, gk, gv].map(|g| stream.clone_dtoh(&g).expect("download"))
+}
+
+/// dq, dk and dv (`grads`) of `spec` on `[q, k, v, dout]` within the numerics contract against
+/// the f64 oracle and the naive backward.
+fn assert_gradients_meet_the_contract(
+    spec: &AttentionSpec<'_>,
+    h: &[Tensor<'_, bf16>; 4],
+    grads: &[Vec<bf16>; 3],
+    what: &str,
+) {
+    let [qh, kh, vh, doh] = h;
+    let oracle = reference::backward(spec, qh, kh, vh, doh).expect("oracle");
+    let naive = reference::naive_backward(spec, qh, kh, vh, doh).expect("naive");
+    let widen = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
+    let m = flash_attn::check::max_abs(&oracle.dq).max(flash_attn::check::max_abs(&oracle.dk));
+    let m = m.max(flash_attn::check::max_abs(&oracle.dv));
+    for (name, ours, o, n) in [
+        ("dq", &grads[0], &oracle.dq, &naive.dq),
+        ("dk", &grads[1], &oracle.dk, &naive.dk),
+        ("dv", &grads[2], &oracle.dv, &naive.dv),
+    ] {
+        let cmp = flash_attn::check::compare_gradient(&widen(ours), o, n, DType::BF16, m);
+        assert!(cmp.passed(), "{what} {name}: {cmp}");
     }
 }
 
@@ -869,51 +890,19 @@ fn backward_writes_dq_of_queries_that_see_no_key() {
     let dev = cuda::default_device().expect("a CUDA device");
     let mut rng = Rng::new(0xd0_5eed);
     let (b, hq, hk, sq, sk) = (2usize, 6usize, 2usize, 700usize, 190usize);
-    let stream = dev.stream();
     for d in [64, 128] {
         let mut r = |n: usize| (0..n).map(|_| bf16::from_f64(rng.normal())).collect::<Vec<_>>();
         let (q, k, v, dout) = (r(b * sq * hq * d), r(b * sk * hk * d), r(b * sk * hk * d), r(b * sq * hq * d));
         let (qs, ks) = ([b, sq, hq, d], [b, sk, hk, d]);
         let spec = AttentionSpec::new().causal();
-        let (qh, kh, vh, doh) =
-            (Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &ks), Tensor::new(&dout, &qs));
-        let fwd = cuda::forward_host(&spec, &qh, &kh, &vh).expect("cuda forward");
-        let up = |x: &[bf16]| dev.upload(x).expect("upload");
-        let (qd, kd, vd, od, dod) = (up(&q), up(&k), up(&v), up(&fwd.out), up(&dout));
-        let lse = stream.clone_htod(&fwd.lse).expect("upload");
-        let junk = |n: usize| dev.upload(&vec![bf16::from_f32(7.0); n]).expect("upload");
-        let (mut gq, mut gk, mut gv) = (junk(q.len()), junk(k.len()), junk(v.len()));
-        dev.backward(
-            &spec,
-            &cuda::DeviceTensor::new(qd.as_view(), &qs),
-            &cuda::DeviceTensor::new(kd.as_view(), &ks),
-            &cuda::DeviceTensor::new(vd.as_view(), &ks),
-            &cuda::DeviceTensor::new(od.as_view(), &qs),
-            &lse.as_view(),
-            &cuda::DeviceTensor::new(dod.as_view(), &qs),
-            &mut cuda::DeviceTensorMut::new(gq.as_view_mut(), &qs),
-            &mut cuda::DeviceTensorMut::new(gk.as_view_mut(), &ks),
-            &mut cuda::DeviceTensorMut::new(gv.as_view_mut(), &ks),
-        )
-        .expect("cuda backward");
-        let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).expect("download");
-        let (dq, dk, dv) = (down(&gq), down(&gk), down(&gv));
-        for (i, x) in dq.iter().enumerate() {
+        let h = [Tensor::new(&q, &qs), Tensor::new(&k, &ks), Tensor::new(&v, &ks), Tensor::new(&dout, &qs)];
+        let grads = backward_on_buffers_of_sevens(dev, &spec, &h);
+        for (i, x) in grads[0].iter().enumerate() {
             if (i / (hq * d)) % sq < sq - sk {
                 assert!(x.to_f32() == 0.0, "d {d}: dq of a query that sees no key");
             }
         }
-        let oracle = reference::backward(&spec, &qh, &kh, &vh, &doh).expect("oracle");
-        let naive = reference::naive_backward(&spec, &qh, &kh, &vh, &doh).expect("naive");
-        let widen = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
-        let m = flash_attn::check::max_abs(&oracle.dq).max(flash_attn::check::max_abs(&oracle.dk));
-        let m = m.max(flash_attn::check::max_abs(&oracle.dv));
-        for (name, ours, o, n) in
-            [("dq", &dq, &oracle.dq, &naive.dq), ("dk", &dk, &oracle.dk, &naive.dk), ("dv", &dv, &oracle.dv, &naive.dv)]
-        {
-            let cmp = flash_attn::check::compare_gradient(&widen(ours), o, n, DType::BF16, m);
-            assert!(cmp.passed(), "d {d} {name}: {cmp}");
-        }
+        assert_gradients_meet_the_contract(&spec, &h, &grads, &format!("d {d}"));
     }
 }
 
