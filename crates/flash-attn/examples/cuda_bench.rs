@@ -6,7 +6,7 @@
 //! cuda_bench check [CASES] [SEED]          random cases vs the f64 oracle (numerics contract)
 //! cuda_bench bench [--variants all|hopper] [--only NAME] [--dtypes bf16,f16] [--causal both] [--d 64,128]
 //!                  [--reps N]
-//!                  [--pass fwd|bwd] [--deterministic] [--dropout P] [--softcap C]
+//!                  [--pass fwd|bwd] [--deterministic] [--dropout P] [--softcap C] [--release-pool]
 //!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048; `bwd`
 //!                                          times the backward pass alone (FLOPs 2.5 × forward)
 //! cuda_bench sanitize [fp8|NAME]           a few small forward and backward launches (dropout,
@@ -14,7 +14,7 @@
 //!                                          forward's alone; NAME: the variants whose name has it, or
 //!                                          each part of `A+B`, after the FP8 cases unless NAME
 //!                                          names backward variants: `flash_bwd…`)
-//! cuda_bench bench-fp8 [--d 128] [--seqs ..] [--causal both] [--reps N]
+//! cuda_bench bench-fp8 [--d 128] [--seqs ..] [--causal both] [--reps N] [--release-pool]
 //!                                          the FP8 (e4m3) forward (both kernels) and the bf16
 //!                                          forward on the same shapes, one after another per rep
 //! cuda_bench racecheck-probe               three hand-offs of a value through shared memory
@@ -354,6 +354,7 @@ fn arg<'a>(args: &'a [String], name: &str, default: &'a str) -> &'a str {
 }
 
 fn bench(args: &[String]) -> Result<()> {
+    release_pool(args)?;
     let dtypes = arg(args, "--dtypes", "bf16,f16");
     let causals = match arg(args, "--causal", "both") {
         "yes" => vec![true],
@@ -654,7 +655,18 @@ fn fp8_case(
 
 /// The FP8 forward (the whole call: V's transpose and the kernel) and the bf16 forward on BENCH.md's
 /// `gpu` shapes (b·s = 16k, hq·d = 2048), one run of each after the other per rep; medians.
+/// `--release-pool`: the default memory pool back at CUDA's release threshold of 0 (the library
+/// sets `u64::MAX`, [`cuda::Device::new`]), so that every synchronisation unmaps its unused memory:
+/// what a synchronising caller paid before (the benchmarks synchronise after every timed call).
+fn release_pool(args: &[String]) -> Result<()> {
+    if args.iter().any(|a| a == "--release-pool") {
+        cuda::default_device()?.set_pool_release_threshold(0)?;
+    }
+    Ok(())
+}
+
 fn bench_fp8(args: &[String]) -> Result<()> {
+    release_pool(args)?;
     let causals = match arg(args, "--causal", "both") {
         "yes" => vec![true],
         "no" => vec![false],

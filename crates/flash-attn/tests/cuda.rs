@@ -715,6 +715,35 @@ fn deterministic_backward_is_bitwise_reproducible() {
     }
 }
 
+/// A device keeps its default memory pool's unused memory across synchronisations (so that a
+/// caller who synchronises between calls does not pay for unmapping and mapping the backward's
+/// scratch every call), and `set_pool_release_threshold` sets and reads back; and memory freed
+/// before a synchronisation stays reserved by the pool.
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn the_default_pool_keeps_its_memory_across_synchronisations() {
+    let dev = cuda::Device::new(0).expect("a CUDA device");
+    let Some(threshold) = dev.pool_release_threshold().expect("read the threshold") else {
+        return; // no memory pools on this device: nothing to keep
+    };
+    assert_eq!(threshold, u64::MAX, "a new device keeps the pool's memory");
+    dev.set_pool_release_threshold(12345).expect("set");
+    assert_eq!(dev.pool_release_threshold().expect("read"), Some(12345));
+    dev.set_pool_release_threshold(u64::MAX).expect("restore");
+    // 64 MiB allocated, freed and synchronised: still reserved by the pool. (Other tests share the
+    // pool: what it has in use is theirs too, and it only grows while the threshold is u64::MAX.)
+    let bytes = 64usize << 20;
+    let reserved_before = dev.pool_reserved().expect("pool").expect("pool");
+    let buf = dev.stream().alloc_zeros::<u8>(bytes).expect("alloc");
+    drop(buf);
+    dev.stream().synchronize().expect("sync");
+    let reserved_after = dev.pool_reserved().expect("pool").expect("pool");
+    assert!(
+        reserved_after >= reserved_before.max(bytes as u64),
+        "reserved {reserved_before} -> {reserved_after} after freeing {bytes} bytes and synchronising"
+    );
+}
+
 /// `Device::backward_with_workspace` (scratch memory from the caller, as the Python package
 /// passes torch's) gives the bits `Device::backward` gives, in deterministic mode, on a
 /// workspace that held garbage; a workspace one byte short is a typed error.

@@ -167,6 +167,13 @@ impl std::fmt::Debug for Device {
 
 impl Device {
     /// Opens GPU `ordinal` (its primary context and a new stream). Needs compute capability 8.0+.
+    ///
+    /// Sets the device's default memory pool, which this backend's scratch buffers come from, to
+    /// keep its unused memory across synchronisations ([`Device::set_pool_release_threshold`]
+    /// `u64::MAX`, as caching allocators do): with CUDA's default of 0, a caller that
+    /// synchronises between calls has the scratch unmapped and mapped again every call, which an
+    /// H200 measured at a quarter of a 512² backward's time (docs/cuda-notes.md, session 55).
+    /// `set_pool_release_threshold(0)` restores CUDA's behaviour.
     pub fn new(ordinal: usize) -> Result<Self> {
         driver_available()?;
         nvrtc::available()?;
@@ -183,7 +190,7 @@ impl Device {
             )));
         }
         let stream = ctx.new_stream().map_err(|e| driver_error("cuStreamCreate", e))?;
-        Ok(Self {
+        let device = Self {
             ctx,
             stream,
             arch: Arch::from_compute_capability(major, minor),
@@ -193,7 +200,9 @@ impl Device {
             ring_functions: Arc::default(),
             fp8_functions: Arc::default(),
             ws_tiles_functions: Arc::default(),
-        })
+        };
+        device.set_pool_release_threshold(u64::MAX)?;
+        Ok(device)
     }
 
     /// A handle to this GPU whose launches go to `stream` instead of the device's own: the same
@@ -349,6 +358,44 @@ impl Device {
         unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut high as *mut u64).cast()) }
             .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
         Ok(Some((current, high)))
+    }
+
+    /// Sets how many unused bytes the default memory pool keeps reserved across a
+    /// synchronisation (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`; CUDA's default is 0: every
+    /// synchronisation hands the pool's unused memory back to the driver, and the next allocation
+    /// maps it again; [`Device::new`] sets `u64::MAX`). No-op where the device has no memory pools.
+    /// The pool is the device's, shared with every user of it in the process.
+    pub fn set_pool_release_threshold(&self, bytes: u64) -> Result<()> {
+        let Some(pool) = self.pool()? else { return Ok(()) };
+        let mut value = bytes;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        // SAFETY: valid pool; the attribute is a cuuint64_t.
+        unsafe { cudarc::driver::result::mem_pool::set_attribute(pool, attr, (&mut value as *mut u64).cast()) }
+            .map_err(|e| driver_error("cuMemPoolSetAttribute", e))
+    }
+
+    /// The default memory pool's release threshold ([`Device::set_pool_release_threshold`]), or
+    /// `None` where the device has no memory pools.
+    pub fn pool_release_threshold(&self) -> Result<Option<u64>> {
+        let Some(pool) = self.pool()? else { return Ok(None) };
+        let mut value = 0u64;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        // SAFETY: valid pool; the attribute is a cuuint64_t.
+        unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }
+            .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
+        Ok(Some(value))
+    }
+
+    /// Bytes the default memory pool holds mapped now, in use or not
+    /// (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`), or `None` where the device has no memory pools.
+    pub fn pool_reserved(&self) -> Result<Option<u64>> {
+        let Some(pool) = self.pool()? else { return Ok(None) };
+        let mut value = 0u64;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT;
+        // SAFETY: valid pool; the attribute is a cuuint64_t.
+        unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }
+            .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
+        Ok(Some(value))
     }
 
     /// Resets the pool's high-water mark to the bytes in use now (see [`Device::memory_in_use`]).
