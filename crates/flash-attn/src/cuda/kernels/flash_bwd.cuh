@@ -811,6 +811,10 @@ struct FlashBwd {
         // SPLIT: Pᵀ' in shared memory, and the warp's first query column of the tile (0 or BR / 2).
         u32 sP;
         int q_off;
+        // WS: the "dQ full" mbarrier when the previous item's dQ tile is in shared memory but not
+        // yet handed to the dQ warp (its proxy fence and arrival, done here once this item's first
+        // products are issued, so that the fence's wait for the stores runs under them); 0: none.
+        u32 dq_full;
     };
 
     // The products and element-wise work of one item up to dSᵀ in shared memory and dK, dV
@@ -846,6 +850,10 @@ struct FlashBwd {
         FragA pa[NTW / 2], da[NTW / 2];
         scores_t<NTW, false>(s, sK, sQ, q_off, warp_key, lane);
         if (SDP_TOGETHER) scores_t<NTW, false>(dp, sV, sDO, q_off, warp_key, lane);
+        if (WS && ctx.dq_full != 0u) {
+            fence_proxy_async();  // the previous item's dQ stores, to the bulk reductions' async proxy
+            mbar_arrive(ctx.dq_full);
+        }
         if constexpr (DEFER_DQ) {
             // The previous item's dQ ran under this item's start (its copies, its barrier, the
             // issue of these products); added now. (Waiting for it alone, wait<1>, leaves ptxas
@@ -1250,7 +1258,8 @@ struct FlashBwd {
             const bool modded = FA_MODS && p.mod.active(), drop = FA_DROPOUT && p.dropout.enabled;
 
             const ItemCtx ctx{&p,   sK,  sV,   sQ,    sDO,  sDS,   l_base, d_base, vis,  row0,  rows_valid,
-                              col0, off, warp_key, lane, g, t, b, h, tid, warp, info, modded, drop, slope, plane, sP, q_off};
+                              col0, off, warp_key, lane, g, t, b, h, tid, warp, info, modded, drop, slope, plane, sP, q_off,
+                              0u};
             // Every pair visible and every row a real query: no predicate. (Rows past the end hold
             // zeros; masking them too keeps a non-finite V out of dK through them.)
             const bool full = all_on && rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
@@ -1552,6 +1561,7 @@ struct FlashBwd {
         const int warp_key = 16 * (SPLIT > 1 ? uwarp % KEY_WARPS : uwarp), half = SPLIT > 1 ? uwarp / KEY_WARPS : 0;
         const int q_off = half * (BR / SPLIT), c_off = half * DA;
         int wg = 0;  // items so far
+        bool dq_pending = false;  // the last item's dQ tile stored, not yet handed over (ItemCtx::dq_full)
 #pragma unroll 1
         for (int j = 0;; ++j) {
             mbar_wait(bar_kv, (u32)(j & 1));
@@ -1581,7 +1591,7 @@ struct FlashBwd {
                 const unsigned char* plane = blocky ? p.block.plane(b, h) : nullptr;
                 const ItemCtx ctx{&p,   sK,  sV,       sQ,   sDO, sDS, l_base, d_base, vis,  row0,  rows_valid,
                                   col0, off, warp_key, lane, g,   t,   b,      h,      tid,  uwarp,  0u,
-                                  modded, drop, slope, plane, sP, q_off};
+                                  modded, drop, slope, plane, sP, q_off, dq_pending ? bar_dq_full : 0u};
                 bool full;
                 if constexpr (FA_BLOCKS)
                     full = blocky ? pp.tile_list != nullptr && (entry & BWD_TILE_FULL) != 0
@@ -1590,6 +1600,7 @@ struct FlashBwd {
                     full = rows_valid == BR && vis.tile_full(row0, row0 + rows_valid, col0, col0 + BC);
                 mbar_wait(bar_full + 8 * st, (u32)((wg / STAGES) & 1));
                 dispatch_item(ctx, full, dk, dv, dq);
+                dq_pending = false;  // handed over in the item
                 // This thread's products and reads of the item are complete: once every consumer
                 // thread says so, its stage may be refilled. (Every thread arrives, rather than one a
                 // warp after __syncwarp: the producer rewrites the lse and D rows with plain stores,
@@ -1631,8 +1642,9 @@ struct FlashBwd {
                         asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(dq_slot), "r"(h), "r"(m) : "memory");
                         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dq_slot + 8), "r"(b) : "memory");
                     }
-                    fence_proxy_async();  // the stores, to the bulk reductions' async proxy
-                    mbar_arrive(bar_dq_full);
+                    // Handed to the dQ warp (proxy fence, "dQ full") under the next item's first
+                    // products, or below after the last item.
+                    dq_pending = true;
                 }
             }
             // K and V are read no more (the last item's products, dQ's among them, are complete).
@@ -1647,6 +1659,10 @@ struct FlashBwd {
             store_rows(dv, 1.f, gdV, p.dv_row, warp_key, c_off, kv, p.d, lane_id);
         }
         if (DQ_TILE && !p.deterministic) {
+            if (dq_pending) {
+                fence_proxy_async();  // the last item's dQ tile
+                mbar_arrive(bar_dq_full);
+            }
             // The dQ warp's last word, once it has read the last tile.
             if (wg > 0) mbar_wait(bar_dq_empty, (u32)((wg - 1) & 1));
             if (tid == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dq_slot), "r"(-1) : "memory");
