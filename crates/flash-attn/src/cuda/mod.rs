@@ -347,17 +347,9 @@ impl Device {
     /// [`Device::reset_memory_peak`] (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT` / `_HIGH`), or `None`
     /// where the device has no memory pools. Synchronise the stream first for a settled count.
     pub fn memory_in_use(&self) -> Result<Option<(u64, u64)>> {
-        let Some(pool) = self.pool()? else { return Ok(None) };
-        let (mut current, mut high) = (0u64, 0u64);
-        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT;
-        // SAFETY: valid pool; both attributes are cuuint64_t.
-        unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut current as *mut u64).cast()) }
-            .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
-        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-        // SAFETY: as above.
-        unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut high as *mut u64).cast()) }
-            .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
-        Ok(Some((current, high)))
+        let current = self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        let high = self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
+        Ok(current.zip(high))
     }
 
     /// Sets how many unused bytes the default memory pool keeps reserved across a
@@ -366,45 +358,43 @@ impl Device {
     /// maps it again; [`Device::new`] sets `u64::MAX`). No-op where the device has no memory pools.
     /// The pool is the device's, shared with every user of it in the process.
     pub fn set_pool_release_threshold(&self, bytes: u64) -> Result<()> {
-        let Some(pool) = self.pool()? else { return Ok(()) };
-        let mut value = bytes;
-        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-        // SAFETY: valid pool; the attribute is a cuuint64_t.
-        unsafe { cudarc::driver::result::mem_pool::set_attribute(pool, attr, (&mut value as *mut u64).cast()) }
-            .map_err(|e| driver_error("cuMemPoolSetAttribute", e))
+        self.set_pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, bytes)
     }
 
     /// The default memory pool's release threshold ([`Device::set_pool_release_threshold`]), or
     /// `None` where the device has no memory pools.
     pub fn pool_release_threshold(&self) -> Result<Option<u64>> {
-        let Some(pool) = self.pool()? else { return Ok(None) };
-        let mut value = 0u64;
-        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-        // SAFETY: valid pool; the attribute is a cuuint64_t.
-        unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }
-            .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
-        Ok(Some(value))
+        self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
     }
 
     /// Bytes the default memory pool holds mapped now, in use or not
     /// (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`), or `None` where the device has no memory pools.
     pub fn pool_reserved(&self) -> Result<Option<u64>> {
+        self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+    }
+
+    /// Resets the pool's high-water mark to the bytes in use now (see [`Device::memory_in_use`]).
+    pub fn reset_memory_peak(&self) -> Result<()> {
+        // 0 is the only value the attribute accepts.
+        self.set_pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
+    }
+
+    /// A `cuuint64_t` attribute of the default memory pool, or `None` where the device has none.
+    fn pool_attribute(&self, attr: sys::CUmemPool_attribute) -> Result<Option<u64>> {
         let Some(pool) = self.pool()? else { return Ok(None) };
         let mut value = 0u64;
-        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT;
-        // SAFETY: valid pool; the attribute is a cuuint64_t.
+        // SAFETY: valid pool; the callers pass attributes of type cuuint64_t.
         unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }
             .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
         Ok(Some(value))
     }
 
-    /// Resets the pool's high-water mark to the bytes in use now (see [`Device::memory_in_use`]).
-    pub fn reset_memory_peak(&self) -> Result<()> {
+    /// Sets a `cuuint64_t` attribute of the default memory pool; no-op where the device has none.
+    fn set_pool_attribute(&self, attr: sys::CUmemPool_attribute, value: u64) -> Result<()> {
         let Some(pool) = self.pool()? else { return Ok(()) };
-        let mut zero = 0u64;
-        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-        // SAFETY: valid pool; the attribute is a cuuint64_t, and 0 is the only value it accepts.
-        unsafe { cudarc::driver::result::mem_pool::set_attribute(pool, attr, (&mut zero as *mut u64).cast()) }
+        let mut value = value;
+        // SAFETY: valid pool; the callers pass attributes of type cuuint64_t.
+        unsafe { cudarc::driver::result::mem_pool::set_attribute(pool, attr, (&mut value as *mut u64).cast()) }
             .map_err(|e| driver_error("cuMemPoolSetAttribute", e))
     }
 
