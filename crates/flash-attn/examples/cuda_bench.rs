@@ -653,8 +653,6 @@ fn fp8_case(
     Ok(flash_attn::check::report_fp8(&ours.out, &ours.lse, &oracle, &naive).passed())
 }
 
-/// The FP8 forward (the whole call: V's transpose and the kernel) and the bf16 forward on BENCH.md's
-/// `gpu` shapes (b·s = 16k, hq·d = 2048), one run of each after the other per rep; medians.
 /// `--release-pool`: the default memory pool back at CUDA's release threshold of 0 (the library
 /// sets `u64::MAX`, [`cuda::Device::new`]), so that every synchronisation unmaps its unused memory:
 /// what a synchronising caller paid before (the benchmarks synchronise after every timed call).
@@ -665,6 +663,8 @@ fn release_pool(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The FP8 forward (the whole call: V's transpose and the kernel) and the bf16 forward on BENCH.md's
+/// `gpu` shapes (b·s = 16k, hq·d = 2048), one run of each after the other per rep; medians.
 fn bench_fp8(args: &[String]) -> Result<()> {
     release_pool(args)?;
     let causals = match arg(args, "--causal", "both") {
