@@ -1401,14 +1401,14 @@ struct FlashBwd {
     // the stage's "full" mbarrier (33 arrivals: lane 0's with the TMA's byte count, and one a lane
     // after its stores). The tile of each K/V load is left in `s_tile` before the "K/V full"
     // arrival that publishes it (-1 and a bare arrival: no more tiles).
-    // Each item's dQ product is issued after the dSᵀ barrier and waited for there, and its piece
-    // stored to a dQ tile in shared memory, which warp 9 (the dQ warp) adds to dQaccum with TMA
-    // reductions (the "dQ full" and "dQ empty" mbarriers hand the tile over and back, with the
-    // item's coordinates in `s_dq`): the consumers issue no `red` and hold no global address for
-    // dQ. In deterministic mode the consumers add it with `red` in key-tile order, as `run` does
-    // (the tiles are taken in order by running blocks, so a wait for the tile before always
-    // ends). dSᵀ alternates between two buffers, since no barrier separates the dQ product from
-    // the next item's stores.
+    // Each item's dQ product is issued after the dSᵀ barrier, behind dK's, and waited for with dV's
+    // and dK's (`item`), and its piece stored to a dQ tile in shared memory, which warp 9 (the dQ
+    // warp) adds to dQaccum with TMA reductions (the "dQ full" and "dQ empty" mbarriers hand the
+    // tile over and back, with the item's coordinates in `s_dq`): the consumers issue no `red` and
+    // hold no global address for dQ. In deterministic mode the consumers add it with `red` in
+    // key-tile order, as `run` does (the tiles are taken in order by running blocks, so a wait for
+    // the tile before always ends). dSᵀ alternates between two buffers, since no barrier separates
+    // the dQ product from the next item's stores.
     static __device__ __forceinline__ void run_ws(const BwdWsParams& pp, char* smem) {
         const BwdParams& p = pp.base;
         const int tid = threadIdx.x, warp = tid / 32, lane_id = tid % 32;
