@@ -5,7 +5,7 @@
 //!                                          registers / spills
 //! cuda_bench check [CASES] [SEED]          random cases vs the f64 oracle (numerics contract)
 //! cuda_bench bench [--variants all|hopper] [--only NAME] [--dtypes bf16,f16] [--causal both] [--d 64,128]
-//!                  [--reps N]
+//!                  [--reps N]                (NAME: a part of the variants' names; `NAME$`: their end)
 //!                  [--pass fwd|bwd] [--deterministic] [--dropout P] [--softcap C] [--release-pool]
 //!                                          BENCH.md's `gpu` grid: b·s = 16k, hq·d = 2048; `bwd`
 //!                                          times the backward pass alone (FLOPs 2.5 × forward)
@@ -366,8 +366,9 @@ fn bench(args: &[String]) -> Result<()> {
         arg(args, "--seqs", "512,1024,2048,4096,8192,16384").split(',').filter_map(|s| s.parse().ok()).collect();
     let reps: usize = arg(args, "--reps", "20").parse().unwrap_or(20);
     let which = arg(args, "--variants", "default");
-    // With --variants: only those whose name contains this.
+    // With --variants: only those whose name contains this (or with a trailing `$`, ends with it).
     let only = arg(args, "--only", "");
+    let picked = |name: &str| only.strip_suffix('$').map_or(name.contains(only), |end| name.ends_with(end));
     let all_variants = which == "all" || which == "hopper";
     let bwd = arg(args, "--pass", "fwd") == "bwd";
     let deterministic = args.iter().any(|a| a == "--deterministic");
@@ -389,7 +390,7 @@ fn bench(args: &[String]) -> Result<()> {
                 Variant::all()
                     .into_iter()
                     .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch) && (which == "all" || v.wgmma))
-                    .filter(|v| v.name().contains(only))
+                    .filter(|v| picked(&v.name()))
                     // Only the variants holding the paths the options use (--dropout, --softcap).
                     .filter(|v| v.extras.covers(extras.paths()))
                     .map(Some)
@@ -402,7 +403,7 @@ fn bench(args: &[String]) -> Result<()> {
                 BwdVariant::all()
                     .into_iter()
                     .filter(|v| v.dtype == dtype && v.d == d && v.runs_on(&arch) && (which == "all" || v.wgmma))
-                    .filter(|v| v.name().contains(only))
+                    .filter(|v| picked(&v.name()))
                     .map(Some)
                     .collect()
             } else {

@@ -521,7 +521,9 @@ pub struct BwdVariant {
     pub dtype: DType,
     /// Tile width: the head dimension of q, k and v, or the compiled width that pads it.
     pub d: usize,
-    /// Query rows per tile (`Br`), a multiple of 64.
+    /// Query rows per tile (`Br`): a multiple of 64, or 80 in the warp-specialised kernel at
+    /// `d` = 128 without optional paths (FlashAttention-3's shape there; dQ is then computed
+    /// transposed, `SWAP_DQ` in `flash_bwd.cuh`).
     pub br: usize,
     /// Warps per block; each owns 16 keys, so a block holds `16 · warps` keys (`Bc`).
     pub warps: usize,
@@ -686,7 +688,9 @@ impl BwdVariant {
 
     /// The Hopper (sm_90a) variant for `dtype` and head dim `d`, the fastest measured on an H100
     /// (docs/cuda-notes.md, Hopper backward): two warpgroups (128 keys); 64 queries per tile at
-    /// d = 128, 128 at d = 64 (a warpgroup's piece of dQ is then 64 queries x 64 columns). One
+    /// d = 128, 128 at d = 64 (a warpgroup's piece of dQ is then 64 queries x 64 columns). (The
+    /// warp-specialised kernel at d = 128 runs long problems on 80,
+    /// [`BwdVariant::eighty_queries`].) One
     /// warpgroup per block (two blocks per multiprocessor), and d = 64 on 64 queries, measured
     /// slower. At d = 256 the two warpgroups share 64 keys ([`BwdVariant::split`]).
     pub fn hopper_for(dtype: DType, d: usize) -> Option<BwdVariant> {
@@ -747,6 +751,14 @@ impl BwdVariant {
         Some(BwdVariant { extras, br, ws: true, ..h })
     }
 
+    /// The same kernel on 80 queries a tile (`FA_BR = 80`: dQ computed transposed, as
+    /// FlashAttention-3's d = 128 backward runs without a causal rule), where this variant is the
+    /// warp-specialised d = 128 kernel on 64 without optional paths; else `None`.
+    pub fn eighty_queries(&self) -> Option<BwdVariant> {
+        let fits = self.ws && self.wgmma && self.d == 128 && self.br == 64 && self.warps == 8;
+        (fits && self.extras == ExtraPaths::NONE).then_some(BwdVariant { br: 80, ..*self })
+    }
+
     /// This variant with the optional paths `extras` compiled in.
     pub fn with_extras(self, extras: ExtraPaths) -> BwdVariant {
         BwdVariant { extras, ..self }
@@ -771,6 +783,8 @@ impl BwdVariant {
                     // The warp-specialised kernel, at the tile widths of whole TMA boxes.
                     if d == 64 || d == 128 {
                         v.push(BwdVariant { ws: true, ..h });
+                        // d = 128 on 80 queries a tile (dQ computed transposed; no optional path).
+                        v.extend(BwdVariant { ws: true, ..h }.eighty_queries());
                         // Dropout alone, softcap alone (WS_EXTRAS): dropout at d = 64 on 64
                         // queries a tile (with 128 its keep bits spill 332 bytes). (Softcap at d =
                         // 64 on 64 queries measured 1.13-1.18x the time of 128: not built.)

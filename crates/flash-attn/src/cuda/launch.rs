@@ -553,9 +553,30 @@ pub(crate) fn supported_backward(g: &Geometry<'_>, dtype: DType, arch: &Arch) ->
     // each key tile of 128) within its budget.
     let list_bytes = 4 * g.max_sk.div_ceil(128) * g.seqs.len() * g.hk * (g.max_sq.div_ceil(64) + 1);
     let ws_ok = !g.varlen && g.max_sq > 0 && (g.block.is_none() || list_bytes <= WS_TILE_LIST_BUDGET);
-    BwdVariant::for_problem(arch, dtype, width, needs_extras(g), ws_ok)
-        .ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))
+    let variant = BwdVariant::for_problem(arch, dtype, width, needs_extras(g), ws_ok)
+        .ok_or_else(|| Error::Unsupported(format!("no backward kernel for {dtype}")))?;
+    // 80 queries a tile at d = 128 where there are enough query rows (H200, bf16 and f16, the
+    // 64-query kernel's time over the 80's, 2 rounds, session 57): without a causal rule 1.03 at
+    // 1k, 1.05-1.07 at 2k, 1.06-1.09 at 4k and 16k, 0.94-0.97 at 512; under one 1.03-1.04 at 4k,
+    // 1.04-1.09 at 16k, level at 2k and 0.88-0.95 below (80-row tiles end off the 128-key tiles'
+    // diagonal). Windows: not measured, 64.
+    let min_rows = match (uniform_items(g), g.window) {
+        (true, _) => EIGHTY_QUERY_MIN_ROWS,
+        (false, None) => EIGHTY_QUERY_CAUSAL_MIN_ROWS,
+        (false, Some(_)) => usize::MAX,
+    };
+    Ok(match variant.eighty_queries() {
+        Some(eighty) if g.max_sq >= min_rows => eighty,
+        _ => variant,
+    })
 }
+
+/// Query rows from which a d = 128 backward without a causal rule, window or optional path runs
+/// on 80 queries a tile ([`BwdVariant::eighty_queries`]); measured at 512, 1k, 2k, 4k and 16k.
+const EIGHTY_QUERY_MIN_ROWS: usize = 1024;
+
+/// The same under a causal rule (no window, no optional path).
+const EIGHTY_QUERY_CAUSAL_MIN_ROWS: usize = 4096;
 
 fn i32_of(what: &str, x: usize) -> Result<i32> {
     i32::try_from(x).map_err(|_| Error::Unsupported(format!("{what} = {x} exceeds the CUDA kernel's 32-bit range")))
@@ -1534,6 +1555,36 @@ mod tests {
         let spec = plain().dropout(0.1, 1, 0);
         let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
         assert!(!supported(&g, DType::BF16, &Arch("sm_80".into())).expect("a variant").ws);
+    }
+
+    #[test]
+    fn the_d_128_backward_runs_long_problems_on_80_query_tiles() {
+        let name = |s: usize, d: usize, spec: AttentionSpec<'_>| {
+            let x = vec![(); s * 2 * d];
+            let t = Tensor::new(&x, &[1, s, 2, d]);
+            let g = Geometry::new(&spec, &t, &t, &t).expect("geometry");
+            supported_backward(&g, DType::BF16, &Arch("sm_90a".into())).expect("a variant").name()
+        };
+        let plain = AttentionSpec::new;
+        assert_eq!(name(1024, 128, plain()), "flash_bwd_bf16_d128_r80_w8_h_ws");
+        assert_eq!(name(16384, 128, plain()), "flash_bwd_bf16_d128_r80_w8_h_ws");
+        assert_eq!(name(4096, 128, plain().causal()), "flash_bwd_bf16_d128_r80_w8_h_ws");
+        // Shorter, causal below 4096 rows, windowed, with an optional path, another width: 64.
+        assert_eq!(name(1023, 128, plain()), "flash_bwd_bf16_d128_r64_w8_h_ws");
+        assert_eq!(name(4095, 128, plain().causal()), "flash_bwd_bf16_d128_r64_w8_h_ws");
+        assert_eq!(name(4096, 128, plain().window(64, 64)), "flash_bwd_bf16_d128_r64_w8_h_ws");
+        assert_eq!(name(4096, 128, plain().dropout(0.1, 1, 0)), "flash_bwd_bf16_d128_r64_w8_h_ws_xd");
+        assert_eq!(name(4096, 128, plain().softcap(30.0)), "flash_bwd_bf16_d128_r64_w8_h_ws_xs");
+        assert_eq!(name(4096, 120, plain()), "flash_bwd_bf16_d128_r80_w8_h_ws");
+        assert_eq!(name(4096, 64, plain()), "flash_bwd_bf16_d64_r128_w8_h_ws");
+        // Only the plain warp-specialised d = 128 kernel has the shape.
+        for v in BwdVariant::all() {
+            let e = v.eighty_queries();
+            assert_eq!(e.is_some(), v.ws && v.d == 128 && v.br == 64 && v.extras == ExtraPaths::NONE, "{}", v.name());
+            if let Some(e) = e {
+                assert!(BwdVariant::all().contains(&e) && e.smem_bytes() <= 232448 - 128, "{}", e.name());
+            }
+        }
     }
 
     #[test]

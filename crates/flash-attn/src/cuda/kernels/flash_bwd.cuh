@@ -333,21 +333,37 @@ struct FlashBwd {
     // dK's on the tensor cores (1.01-1.08x the backward with dQ issued after that wait, H200,
     // session 56), and stores the piece to the tile.
     static constexpr bool DQ_TILE = WS && SPLIT == 1;
+    // 80 queries a tile (FlashAttention-3's shape for d 128 without a causal rule): a quarter more
+    // work an item for the same per-item costs (turns, waits, barriers, the dQ hand-off). dQ = dS K
+    // then has 80 rows, which no warpgroup product's M takes: it is computed transposed, dQᵀ = Kᵀ
+    // dSᵀ (M: the warpgroup's 64 columns of the head dim; N: the 80 queries), with dS stored
+    // [query][key] (`store_ds_t`: each warpgroup's 64 keys one 128-byte column block of 80 rows,
+    // the K-major B operand of an n80 product), and stored transposed to the dQ tile
+    // (`issue_dq_t`, `store_dq_t`). The warp-specialised kernel at d 128 without optional paths
+    // only.
+    static constexpr bool SWAP_DQ = BR % 64 != 0;
+    static_assert(!SWAP_DQ || (WS && BR == 80 && D == 128 && SPLIT == 1 && FA_EXTRAS == 0),
+                  "80 queries a tile: the warp-specialised d 128 kernel without optional paths");
+    // Where the lse and D rows sit: after the dQ tile where the tile would not start on the
+    // swizzle's 1024-byte period behind them (SWAP_DQ: 2 · 2 · 320 bytes), else before it.
+    static constexpr bool ROWS_LAST = SWAP_DQ;
     static constexpr int DQ_BYTES = DQ_TILE ? BR * D * 4 : 0;
     static constexpr int P_BUFS = WS ? 2 : 1;
     static constexpr int BAR_BYTES = WS ? 8 * (4 + 2 * STAGES) : 0;
     // dSᵀ buffers: two where an item's dSᵀ is written before every consumer is past the previous
     // item's dQ product (DEFER_DQ, and the warp-specialised kernel, with no barrier between them).
     static constexpr int DS_BUFS = DEFER_DQ || WS ? 2 : 1;
-    static_assert(!DQ_TILE || (2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + 2 * STAGES * ROW_BYTES) % 1024 == 0,
+    static_assert(!DQ_TILE ||
+                      (2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + (ROWS_LAST ? 0 : 2 * STAGES * ROW_BYTES)) % 1024 == 0,
                   "the dQ tile (after K, V, the ring, dSᵀ and the rows) starts on the swizzle's 1024-byte period");
     static constexpr int SMEM_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + P_BUFS * P_BYTES +
                                       2 * STAGES * ROW_BYTES + DQ_BYTES + BAR_BYTES;  // = BwdVariant::smem_bytes
     static_assert(!WS || SMEM_BYTES + 1024 <= 232448 - 128, "one block a multiprocessor, with the static slots");
-    static_assert(BR % 64 == 0, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
+    static_assert(BR % 64 == 0 || SWAP_DQ, "dSᵀ rows are swizzled 16-byte chunks: BR >= 64");
     // Hopper: Sᵀ and dPᵀ issued together, dV left in flight under dSᵀ, at 64 queries per tile.
-    // With 128 (or with the extras at d 128), that many live registers spill, so dPᵀ is issued
-    // once dV (waited for) has freed Pᵀ's registers.
+    // With 128 (or with the extras at d 128, or at 80 queries: 48-96 bytes), that many live
+    // registers spill, so dPᵀ is issued once dV (waited for) has freed Pᵀ's registers. (At 64
+    // queries, d 128, the warp-specialised kernel measured level either way, H200, session 57.)
     static constexpr bool SDP_TOGETHER = FA_WGMMA != 0 && BR == 64 && !(FA_EXTRAS != 0 && D >= 128);
     // Tiles in the layout the products read: wgmma's, or ldmatrix's swizzle.
     static constexpr bool GMMA = FA_WGMMA != 0;
@@ -559,6 +575,26 @@ struct FlashBwd {
 #endif
     }
 
+#if FA_WGMMA
+    // SWAP_DQ: this warp's 16 keys x 16·K queries of dSᵀ fragments (from query q0) into the dS
+    // tile stored [query][key]: the warpgroup's 64 keys are column block warp_key / 64 (BR rows of
+    // 128 bytes), key chunk c of query row q at (c ^ (q % 8)) · 16. One transposing stmatrix per
+    // 16 x 16 fragment: matrix i (keys 8·(i & 1) of the warp's 16, queries 8·(i >> 1) of the
+    // fragment's 16) lands as 8 query rows of one 16-byte key chunk, lanes 8i .. 8i + 7 addressing
+    // them.
+    template <int K>
+    static __device__ __forceinline__ void store_ds_t(u32 sDS, const FragA (&a)[K], int q0, int warp_key, int lane) {
+        const int i = lane >> 3, r = lane & 7;
+        const int chunk = (warp_key % 64) / 8 + (i & 1);
+        const u32 base = sDS + (u32)((warp_key / 64) * BR * 128 + ((chunk ^ r) * 16));
+#pragma unroll
+        for (int kk = 0; kk < K; ++kk) {
+            const int q = q0 + 16 * kk + 8 * (i >> 1) + r;  // (q % 8 = r)
+            stmatrix_x4_trans(base + (u32)(q * 128), a[kk].x[0], a[kk].x[1], a[kk].x[2], a[kk].x[3]);
+        }
+    }
+#endif
+
     // Keep bits of this thread's Sᵀ elements for query head stream bh: bit (4·nt + 2·r + c) is
     // key row g + 8r, query column 8·nt + 2t + c (q0 a multiple of 16, k0 of 16). In philox.cuh's
     // layout the call of queries {16a + 2t + c, + 8} and keys with (k % 8) / 2 = g / 2 in this
@@ -684,6 +720,45 @@ struct FlashBwd {
     }
     static constexpr int DQ_FRAGS = NQ / 8;
 
+    // SWAP_DQ: issues dQᵀ = Kᵀ dSᵀ for this warpgroup's piece as one wgmma group: head-dim
+    // columns 64·wg .. + 63 (M) by the tile's BR queries (N), over the BC keys (K). A = Kᵀ (K
+    // [key][d]: MN-major, its column block wg), B = dSᵀ from the dS tile ([query][key], `store_ds_t`:
+    // K-major, as Q is to Sᵀ's product).
+    static __device__ __forceinline__ void issue_dq_t(FragC (&d)[BR / 8], u32 sDS, u32 sK, int warp) {
+        static_assert(SWAP_DQ, "the transposed piece");
+        const int wg = warp / 4;
+        fence_operands(d);
+        wgmma_fence();
+        const u64 da0 = gmma_desc(sK + (u32)(wg * BC * 128), BC * 128, 1024), db0 = gmma_desc(sDS, 16, 1024);
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk)
+            wgmma_ss<BR, 1, 0>(d, desc_plus(da0, (u32)(kk * 16 * 128)),
+                               desc_plus(db0, (u32)((kk / 4) * BR * 128 + (kk % 4) * 32)), kk > 0);
+        wgmma_commit();
+    }
+
+    // SWAP_DQ: adds this warp's part of a completed dQᵀ piece to the f32 accumulator, one `red` an
+    // element (queries past the sequence end and padding columns skipped): deterministic mode's
+    // path.
+    static __device__ __forceinline__ void add_dq_t(const FragC (&d)[BR / 8], float* acc, long long acc_row,
+                                                    int rows_valid, int head_dim, int warp, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int col = 64 * (warp / 4) + 16 * (warp % 4) + g + 8 * r;
+            if (col >= head_dim) continue;
+#pragma unroll
+            for (int n = 0; n < BR / 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int q = 8 * n + 2 * t + c;
+                    if (q < rows_valid)
+                        asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(acc + q * acc_row + col), "f"(d[n].x[2 * r + c])
+                                     : "memory");
+                }
+        }
+    }
+
     // The previous item's dQ piece, complete (the caller waited for it): added to dQaccum, in
     // key-tile order in deterministic mode. The previous item's (head, tile) are in shared memory
     // at `info` + 20 and + 24 (tile -1: there is none). Every thread of the block calls it.
@@ -705,6 +780,14 @@ struct FlashBwd {
     static __device__ __forceinline__ void accumulate_dq(u32 sDS, u32 sK, float* acc, long long acc_row,
                                                          int rows_valid, int head_dim, int warp, int lane) {
 #if FA_WGMMA
+        if constexpr (SWAP_DQ) {
+            FragC d[BR / 8];
+            issue_dq_t(d, sDS, sK, warp);
+            wgmma_wait<0>();
+            fence_operands(d);
+            add_dq_t(d, acc, acc_row, rows_valid, head_dim, warp, lane);
+            return;
+        }
         const int wg = warp / 4, n0 = NQ * (wg % NSPLIT);
         if (n0 >= head_dim) return;  // padding columns only: dQ there is never read
         FragC d[NQ / 8];
@@ -1029,9 +1112,12 @@ struct FlashBwd {
 #pragma unroll
             for (int kk = 0; kk < PN / 2; ++kk) da[kk] = scores_to_a<BF16>(dp[2 * kk], dp[2 * kk + 1]);
 
-            // dSᵀ to shared memory ([key][query], swizzled) for dQ (and SPLIT: dK), before the
-            // barrier.
-            store_t(sDS, da, q_off + 8 * PN * part, warp_key, lane, g, t);
+            // dSᵀ to shared memory ([key][query], swizzled; SWAP_DQ: dS, [query][key]) for dQ (and
+            // SPLIT: dK), before the barrier.
+            if constexpr (SWAP_DQ)
+                store_ds_t(sDS, da, 8 * PN * part, warp_key, lane);
+            else
+                store_t(sDS, da, q_off + 8 * PN * part, warp_key, lane, g, t);
 
             // dK += dSᵀ Q (the scale is applied once at the end); SPLIT: after the barrier.
             if constexpr (SPLIT == 1) accumulate_t<PN / 2, FA_WGMMA == 0>(dk, da, sQ, 8 * PN * part, lane);
@@ -1053,13 +1139,20 @@ struct FlashBwd {
             // Every warpgroup's dSᵀ stored: dQ's product issued behind dK's, all three waited for
             // together; the piece then to the dQ tile, once the dQ warp has read the previous one
             // (its hand-off, ItemCtx::dq_full, is the next item's, or the caller's after the last).
-            FragC dqf[NQ / 8];
+            FragC dqf[SWAP_DQ ? BR / 8 : NQ / 8];
             consumers_sync();
-            issue_dq(dqf, sDS, sK, ctx.warp);
+            if constexpr (SWAP_DQ)
+                issue_dq_t(dqf, sDS, sK, ctx.warp);
+            else
+                issue_dq(dqf, sDS, sK, ctx.warp);
             complete();
             fence_operands(dqf);
             if (ctx.dq_parity >= 0) mbar_wait(ctx.bar_dq_empty, (u32)ctx.dq_parity);
-            store_dq(dqf, ctx.sDQ, ctx.warp, lane);  // (padding columns: stored, never reduced)
+            // (Padding columns: stored, never reduced.)
+            if constexpr (SWAP_DQ)
+                store_dq_t(dqf, ctx.sDQ, ctx.warp, lane);
+            else
+                store_dq(dqf, ctx.sDQ, ctx.warp, lane);
             if (ctx.tid == 0) {
                 asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(ctx.dq_slot), "r"(h), "r"(row0 / BR) : "memory");
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ctx.dq_slot + 8), "r"(b) : "memory");
@@ -1377,6 +1470,28 @@ struct FlashBwd {
         }
     }
 
+    // SWAP_DQ: this warp's part of a completed dQᵀ piece (issue_dq_t) into the dQ tile, as
+    // store_dq lays it out: element (column c, query q) at row q, block c / 32, 16-byte chunk
+    // (c % 32) / 4 swizzled by q % 8, one 4-byte store each (a warp's store covers 8 columns by 4
+    // queries: 32 distinct banks).
+    static __device__ __forceinline__ void store_dq_t(const FragC (&d)[BR / 8], u32 sDQ, int warp, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int col = 64 * (warp / 4) + 16 * (warp % 4) + g + 8 * r;
+            const int ch = (col % 32) / 4;
+            const u32 base = sDQ + (u32)((col / 32) * BR * 128 + (col % 4) * 4);
+#pragma unroll
+            for (int n = 0; n < BR / 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int q = 8 * n + 2 * t + c;
+                    const u32 dst = base + (u32)(q * 128 + ((ch ^ (q & 7)) * 16));
+                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(dst), "f"(d[n].x[2 * r + c]) : "memory");
+                }
+        }
+    }
+
     // Registers a thread after setmaxnreg: the block holds 384 · 168 (ptxas's count under
     // __launch_bounds__(384, 1)); the consumers' increase waits for the registers the producer
     // gave back, so the two must add up to no more.
@@ -1417,11 +1532,13 @@ struct FlashBwd {
         // (num_n_blocks = ceil(sk / BC)).
         const int tiles = p.num_n_blocks * p.batch * p.hk;
         const Visibility vis{p.sq, p.sk, p.sk - p.sq, p.causal, p.window_left, p.window_right};
+        // (ROWS_LAST: the lse and D rows after the dQ tile rather than before it.)
         const u32 sK = smem_addr(smem), sV = sK + KV_BYTES, sQ0 = sV + KV_BYTES, sDO0 = sQ0 + STAGES * Q_BYTES,
-                  sDS0 = sDO0 + STAGES * Q_BYTES, sP0 = sDS0 + 2 * DS_BYTES, sL0 = sP0 + P_BUFS * P_BYTES,
-                  sD0 = sL0 + STAGES * ROW_BYTES;
-        const u32 sDQ = sD0 + STAGES * ROW_BYTES;
-        const u32 bar_kv = sDQ + DQ_BYTES, bar_kv_empty = bar_kv + 8, bar_full = bar_kv_empty + 8,
+                  sDS0 = sDO0 + STAGES * Q_BYTES, sP0 = sDS0 + 2 * DS_BYTES,
+                  sL0 = sP0 + P_BUFS * P_BYTES + (ROWS_LAST ? DQ_BYTES : 0), sD0 = sL0 + STAGES * ROW_BYTES;
+        const u32 sDQ = ROWS_LAST ? sP0 + P_BUFS * P_BYTES : sD0 + STAGES * ROW_BYTES;
+        const u32 bar_kv = sD0 + STAGES * ROW_BYTES + (ROWS_LAST ? 0 : DQ_BYTES), bar_kv_empty = bar_kv + 8,
+                  bar_full = bar_kv_empty + 8,
                   bar_empty = bar_full + 8 * STAGES;
         const u32 bar_dq_full = bar_empty + 8 * STAGES, bar_dq_empty = bar_dq_full + 8;
 

@@ -117,6 +117,14 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, u32 a, u32 b, u32 c, u32 d
                  "r"(c), "r"(d)
                  : "memory");
 }
+
+// stmatrix_x4 storing each 8x8 matrix transposed: lane 8i + r addresses row r of matrix i's
+// transpose (column r of the fragment's matrix i).
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a),
+                 "r"(b), "r"(c), "r"(d)
+                 : "memory");
+}
 #endif
 
 // `x`, opaque to the compiler: it cannot see which low bits of an address are zero, so constant

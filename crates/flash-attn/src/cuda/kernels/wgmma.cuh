@@ -142,6 +142,45 @@ __device__ __forceinline__ void wgmma_rs_n64(FragC (&d)[8], const FragA& a, u64 
         : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "l"(desc_b));
 }
 
+// D[64 x 80] (+)= A[64 x 16] · B[16 x 80]: A and B from shared memory (descriptors; K-major, or
+// MN-major where TA / TB is 1 and the instruction transposes); D is overwritten when scale_d == 0.
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n80(FragC (&d)[10], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32." FA_AB "." FA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
+        "%40, %41, p, 1, 1, %43, %44;\n"
+        "}\n"
+        : "+f"(d[0].x[0]), "+f"(d[0].x[1]), "+f"(d[0].x[2]), "+f"(d[0].x[3]), "+f"(d[1].x[0]), "+f"(d[1].x[1]), "+f"(d[1].x[2]), "+f"(d[1].x[3]),
+          "+f"(d[2].x[0]), "+f"(d[2].x[1]), "+f"(d[2].x[2]), "+f"(d[2].x[3]), "+f"(d[3].x[0]), "+f"(d[3].x[1]), "+f"(d[3].x[2]), "+f"(d[3].x[3]),
+          "+f"(d[4].x[0]), "+f"(d[4].x[1]), "+f"(d[4].x[2]), "+f"(d[4].x[3]), "+f"(d[5].x[0]), "+f"(d[5].x[1]), "+f"(d[5].x[2]), "+f"(d[5].x[3]),
+          "+f"(d[6].x[0]), "+f"(d[6].x[1]), "+f"(d[6].x[2]), "+f"(d[6].x[3]), "+f"(d[7].x[0]), "+f"(d[7].x[1]), "+f"(d[7].x[2]), "+f"(d[7].x[3]),
+          "+f"(d[8].x[0]), "+f"(d[8].x[1]), "+f"(d[8].x[2]), "+f"(d[8].x[3]), "+f"(d[9].x[0]), "+f"(d[9].x[1]), "+f"(d[9].x[2]), "+f"(d[9].x[3])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
+}
+
+// D[64 x 80] += A[64 x 16] · B[16 x 80]: A from registers (a FragA per warp), B from shared
+// memory stored [k][n] (MN-major, transposed by the instruction).
+__device__ __forceinline__ void wgmma_rs_n80(FragC (&d)[10], const FragA& a, u64 desc_b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32." FA_AB "." FA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
+        "{%40, %41, %42, %43}, %44, p, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0].x[0]), "+f"(d[0].x[1]), "+f"(d[0].x[2]), "+f"(d[0].x[3]), "+f"(d[1].x[0]), "+f"(d[1].x[1]), "+f"(d[1].x[2]), "+f"(d[1].x[3]),
+          "+f"(d[2].x[0]), "+f"(d[2].x[1]), "+f"(d[2].x[2]), "+f"(d[2].x[3]), "+f"(d[3].x[0]), "+f"(d[3].x[1]), "+f"(d[3].x[2]), "+f"(d[3].x[3]),
+          "+f"(d[4].x[0]), "+f"(d[4].x[1]), "+f"(d[4].x[2]), "+f"(d[4].x[3]), "+f"(d[5].x[0]), "+f"(d[5].x[1]), "+f"(d[5].x[2]), "+f"(d[5].x[3]),
+          "+f"(d[6].x[0]), "+f"(d[6].x[1]), "+f"(d[6].x[2]), "+f"(d[6].x[3]), "+f"(d[7].x[0]), "+f"(d[7].x[1]), "+f"(d[7].x[2]), "+f"(d[7].x[3]),
+          "+f"(d[8].x[0]), "+f"(d[8].x[1]), "+f"(d[8].x[2]), "+f"(d[8].x[3]), "+f"(d[9].x[0]), "+f"(d[9].x[1]), "+f"(d[9].x[2]), "+f"(d[9].x[3])
+        : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "l"(desc_b));
+}
+
 // D[64 x 128] (+)= A[64 x 16] · B[16 x 128]: A and B from shared memory (descriptors; K-major, or
 // MN-major where TA / TB is 1 and the instruction transposes); D is overwritten when scale_d == 0.
 template <int TA, int TB>
@@ -253,6 +292,7 @@ template <int N, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_ss(FragC (&d)[N / 8], u64 desc_a, u64 desc_b, int scale_d) {
     if constexpr (N == 32) wgmma_ss_n32<TA, TB>(d, desc_a, desc_b, scale_d);
     else if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, desc_a, desc_b, scale_d);
+    else if constexpr (N == 80) wgmma_ss_n80<TA, TB>(d, desc_a, desc_b, scale_d);
     else if constexpr (N == 128) wgmma_ss_n128<TA, TB>(d, desc_a, desc_b, scale_d);
     else if constexpr (N == 256) wgmma_ss_n256<TA, TB>(d, desc_a, desc_b, scale_d);
     else static_assert(N == 32, "wgmma_ss: unsupported N");
@@ -261,6 +301,7 @@ template <int N>
 __device__ __forceinline__ void wgmma_rs(FragC (&d)[N / 8], const FragA& a, u64 desc_b) {
     if constexpr (N == 32) wgmma_rs_n32(d, a, desc_b);
     else if constexpr (N == 64) wgmma_rs_n64(d, a, desc_b);
+    else if constexpr (N == 80) wgmma_rs_n80(d, a, desc_b);
     else if constexpr (N == 128) wgmma_rs_n128(d, a, desc_b);
     else if constexpr (N == 256) wgmma_rs_n256(d, a, desc_b);
     else static_assert(N == 32, "wgmma_rs: unsupported N");
