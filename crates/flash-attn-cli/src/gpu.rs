@@ -43,6 +43,8 @@ pub struct Compiled {
     pub spill_bytes: Option<u32>,
     /// Spill bytes tolerated for this variant (0 but for the mma.sync backward at d >= 128).
     pub spill_budget: u32,
+    /// Whether ptxas serialised its warpgroup MMAs (advisory C7511): the gate fails it.
+    pub wgmma_serialized: bool,
     /// `None` when it compiled, else NVRTC's error (its log included).
     pub error: Option<String>,
 }
@@ -355,6 +357,7 @@ mod imp {
                 registers: r.registers,
                 spill_bytes: r.spill_bytes,
                 spill_budget: r.spill_budget,
+                wgmma_serialized: r.wgmma_serialized,
             })
             .collect())
     }

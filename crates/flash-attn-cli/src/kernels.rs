@@ -64,6 +64,11 @@ pub fn main(args: &KernelsArgs) -> Result<ExitCode> {
                 failed += 1;
                 "FAILED".to_owned()
             }
+            // Compiled, but each warpgroup MMA waits for the one before (ptxas's C7511).
+            (None, _) if r.wgmma_serialized => {
+                failed += 1;
+                "FAILED (ptxas serialised its warpgroup MMAs, C7511)".to_owned()
+            }
             (None, Some(s)) if s > r.spill_budget => {
                 spilled += 1;
                 format!("SPILLS (budget {} B)", r.spill_budget)

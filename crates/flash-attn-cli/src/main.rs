@@ -51,7 +51,7 @@ enum Command {
     /// Print the HBM-access model: Algorithm 0 vs FlashAttention for N, d and SRAM size M.
     Io(io::IoArgs),
     /// The CUDA kernels (cuda builds): `--compile-all` compiles every variant with NVRTC and
-    /// reports registers and spills.
+    /// reports registers and spills (failing on spills past a budget and on serialised wgmma).
     Kernels(kernels::KernelsArgs),
     /// Draw saved bench JSON lines (`sq`, `fwd_ms`, optional `peak_extra_bytes`, `label`) as an
     /// SVG figure: runtime vs N, log-log, one series per label.

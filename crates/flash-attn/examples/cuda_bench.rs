@@ -67,7 +67,11 @@ fn compile(archs: &str, pattern: &str) -> Result<()> {
             r.arch,
             r.registers.map_or("?".into(), |x| x.to_string()),
             r.spill_bytes.map_or("?".into(), |x| x.to_string()),
-            if r.ok() { "ok" } else { "FAILED" }
+            match (r.ok(), r.wgmma_serialized) {
+                (false, _) => "FAILED",
+                (true, true) => "ok, but wgmma SERIALISED (C7511)",
+                (true, false) => "ok",
+            }
         );
         if let Err(e) = &r.result {
             failed += 1;

@@ -950,6 +950,9 @@ pub struct VariantReport {
     pub spill_bytes: Option<u32>,
     /// Spill bytes tolerated for this variant ([`BwdVariant::spill_budget`]; 0 for the forward).
     pub spill_budget: u32,
+    /// Whether ptxas serialised the variant's warpgroup MMAs (its advisory C7511,
+    /// [`nvrtc::wgmma_serialized`]): a Hopper kernel that compiled but runs each product alone.
+    pub wgmma_serialized: bool,
     /// `Ok(())`, or the compile error (with NVRTC's log).
     pub result: std::result::Result<(), Error>,
     /// NVRTC's log.
@@ -1019,6 +1022,7 @@ pub fn compile_matching(archs: &[Arch], pattern: &str) -> Result<Vec<VariantRepo
                 registers,
                 spill_bytes,
                 spill_budget: *spill_budget,
+                wgmma_serialized: nvrtc::wgmma_serialized(&log),
                 result,
                 log,
             })

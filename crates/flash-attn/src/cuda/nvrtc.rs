@@ -289,9 +289,28 @@ pub fn ptxas_usage(log: &str) -> (Option<u32>, Option<u32>) {
     (regs, spill)
 }
 
+/// Whether ptxas serialised a kernel's warpgroup MMAs (its performance advisory C7511: "wgmma.mma_async
+/// instructions are serialized", for want of registers or for an accumulator it could not keep in
+/// place, e.g. one array's registers reached through a reinterpreted reference). Such a kernel
+/// waits for every product before issuing the next, whatever its source asks.
+pub fn wgmma_serialized(log: &str) -> bool {
+    log.lines().any(|l| l.contains("C7511") || l.contains("wgmma.mma_async instructions are serialized"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn serialised_warpgroup_mmas_are_found_in_the_log() {
+        let log = "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized \
+                   due to insufficient register resources for the wgmma pipeline in the function 'flash_bwd'\n\
+                   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n";
+        assert!(wgmma_serialized(log));
+        let log = "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                   ptxas info    : Used 168 registers, used 2 barriers, 128 bytes smem\n";
+        assert!(!wgmma_serialized(log));
+    }
 
     #[test]
     fn ptxas_report_is_parsed() {
