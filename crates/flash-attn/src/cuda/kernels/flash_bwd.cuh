@@ -350,8 +350,9 @@ struct FlashBwd {
     // The warp-specialised kernel at D = 128 on 64 queries writes dK and dV through shared memory
     // (`store_rows_staged`): 1.03-1.12x the backward with store_rows at 512-2k, H200, session 57
     // (the short items of a tile that few query tiles see are where the epilogue shows). Not at 80
-    // queries (long problems): 0.99x there from 4k.
-    static constexpr bool STAGED_DKV = WS && SPLIT == 1 && D == 128 && !SWAP_DQ;
+    // queries (long problems): 0.99x there from 4k. At D = 64 (2 KiB a warp): 1.02-1.07x at
+    // 512-2k, 1.01-1.02x at 4k, level at 16k (session 57).
+    static constexpr bool STAGED_DKV = WS && SPLIT == 1 && (D == 64 || D == 128) && !SWAP_DQ;
     static constexpr int DQ_BYTES = DQ_TILE ? BR * D * 4 : 0;
     static constexpr int P_BUFS = WS ? 2 : 1;
     static constexpr int BAR_BYTES = WS ? 8 * (4 + 2 * STAGES) : 0;
@@ -847,15 +848,18 @@ struct FlashBwd {
     }
 
 #if FA_WGMMA
-    // store_rows through `stage`, 4 KiB of shared memory no other warp touches meanwhile (SPLIT == 1,
-    // D = 128): the warp's 16 rows as 16-bit values by stmatrix (rows of 256 bytes, 16-byte chunk c
-    // of row r at (c ^ (r % 8)) · 16: an 8-row matrix's rows in distinct banks), then read back a
-    // chunk a lane and stored 16 bytes at a time, 16 lanes a row: whole 128-byte lines where
-    // store_rows's 4-byte stores leave each line to eight instructions.
+    // The bytes of a warp's 16 rows of dK or dV as 16-bit values (store_rows_staged's stage).
+    static constexpr int STAGE_BYTES = 16 * D * 2;
+    // store_rows through `stage`, STAGE_BYTES of shared memory no other warp touches meanwhile
+    // (SPLIT == 1, D = 64 or 128): the warp's 16 rows as 16-bit values by stmatrix (rows of 2·D
+    // bytes, 16-byte chunk c of row r at (c ^ (r % 8)) · 16: an 8-row matrix's rows in distinct
+    // banks), then read back a chunk a lane and stored 16 bytes at a time, D / 8 lanes a row:
+    // whole 128-byte lines where store_rows's 4-byte stores leave each line to eight instructions.
     static __device__ __forceinline__ void store_rows_staged(const FragC (&acc)[DT], float mul, u16* g,
                                                              long long row_stride, u32 stage, int warp_key,
                                                              int keys_valid, int head_dim, int lane) {
-        static_assert(SPLIT == 1 && D == 128, "a warp's 16 rows of 128 columns: 4 KiB");
+        static_assert(SPLIT == 1 && (D == 64 || D == 128), "a warp's 16 rows of 64 or 128 columns");
+        constexpr int ROWB = 2 * D, CHUNKS = D / 8;
         const int i = lane >> 3, row = (lane & 7) + 8 * (i & 1);
 #pragma unroll
         for (int j = 0; j < DT / 2; ++j) {
@@ -864,17 +868,17 @@ struct FlashBwd {
             const u32 a1 = pack2<BF16>(acc[2 * j].x[2] * mul, acc[2 * j].x[3] * mul);
             const u32 a2 = pack2<BF16>(acc[2 * j + 1].x[0] * mul, acc[2 * j + 1].x[1] * mul);
             const u32 a3 = pack2<BF16>(acc[2 * j + 1].x[2] * mul, acc[2 * j + 1].x[3] * mul);
-            stmatrix_x4(stage + (u32)(row * 256 + ((chunk ^ (row & 7)) * 16)), a0, a1, a2, a3);
+            stmatrix_x4(stage + (u32)(row * ROWB + ((chunk ^ (row & 7)) * 16)), a0, a1, a2, a3);
         }
         __syncwarp();
-        const int chunk = lane % 16;
+        const int chunk = lane % CHUNKS;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int r = 2 * k + lane / 16;
+        for (int k = 0; k < 16 * CHUNKS / 32; ++k) {
+            const int r = (32 / CHUNKS) * k + lane / CHUNKS;
             uint4 v;
             asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(stage + (u32)(r * 256 + ((chunk ^ (r & 7)) * 16)))
+                         : "r"(stage + (u32)(r * ROWB + ((chunk ^ (r & 7)) * 16)))
                          : "memory");
             if (warp_key + r < keys_valid && 8 * chunk < head_dim)
                 *reinterpret_cast<uint4*>(g + (warp_key + r) * row_stride + 8 * chunk) = v;
@@ -1837,13 +1841,15 @@ struct FlashBwd {
             u16* gdK = p.dk + b * p.dk_batch + k0 * p.dk_row + hkv * p.dk_head;
             u16* gdV = p.dv + b * p.dv_batch + k0 * p.dv_row + hkv * p.dv_head;
             if constexpr (STAGED_DKV) {
-                // Staged through the warp's 4 KiB of the dS buffers (its warpgroup's keys' part:
-                // the next item's dS stores of the other warpgroup never touch it), once every
-                // consumer's dQ product of the tile's last item has read them.
+                // Staged through the warp's STAGE_BYTES of the dS buffers: its warpgroup's 64 keys'
+                // rows of their first 64-query block (8 KiB a buffer, which the next item's dS
+                // stores of the other warpgroup never touch), once every consumer's dQ product of
+                // the tile's last item has read them.
                 consumers_sync();
+                constexpr int PER_BUFFER = 64 * 128 / STAGE_BYTES;  // warps' stages a buffer holds
                 const int wgi = uwarp / 4, k = uwarp % 4;
-                const u32 stage = sK + (u32)(2 * KV_BYTES + 2 * STAGES * Q_BYTES + (k / 2) * DS_BYTES +
-                                             (SWAP_DQ ? wgi * BR * 128 : wgi * 64 * 128) + (k % 2) * 4096);
+                const u32 stage = sK + (u32)(2 * KV_BYTES + 2 * STAGES * Q_BYTES + (k / PER_BUFFER) * DS_BYTES +
+                                             wgi * 64 * 128 + (k % PER_BUFFER) * STAGE_BYTES);
                 // (The lane opaque: otherwise ptxas keeps each row's stage address from one tile to the
                 // next, and spills them.)
                 const int ln = (int)opaque((u32)lane_id);
