@@ -1204,6 +1204,29 @@ fn causal_launches_in_head_chunks_meet_the_contract() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
+fn causal_backward_in_head_chunks_meets_the_contract() {
+    // Under a causal rule the warp-specialised backward takes its key tiles in chunks of
+    // (sequence, kv head)s whose queries' Q, dO and dQ accumulator fit 16 MiB, each chunk's first
+    // key tiles first (`backward_chunk_kv_heads` in cuda/launch.rs, `ws_key_tile_coords` in
+    // flash_bwd.cuh): 650 queries of d 128 in GQA groups of 8 take 5.3 MB a kv head, so chunks of
+    // three, and the 2 x 2 kv heads here go in a chunk of three and a short one of one. Both
+    // causal rules, through the default routing (the 64-query warp-specialised kernel on sm_90a),
+    // deterministic mode in the second, whose waits for the key tile before must still point at
+    // tiles taken earlier.
+    let mut rng = Rng::new(0x5c4d);
+    for (i, causal) in [Causal::BottomRight, Causal::TopLeft].into_iter().enumerate() {
+        let mut c = random_cuda_case(&mut rng);
+        (c.dtype, c.d, c.dv, c.causal, c.window) = (DType::BF16, 128, 128, causal, None);
+        (c.hq, c.hk) = (16, 2);
+        c.seqlens = vec![(650, 650 + 3 * i); 2];
+        fixed_length(&mut c);
+        use_paths(&mut c, ExtraPaths::NONE, 2, &mut rng);
+        backward_case_any(&c, None, None, i == 1);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU with its driver and NVRTC 13 (run with --include-ignored)"]
 fn edge_cases_around_the_warp_specialised_kernels() {
     let dev = cuda::default_device().expect("a CUDA device");
     let mut rng = Rng::new(0xed6e);

@@ -74,6 +74,27 @@ fn causal_chunk_heads(g: &Geometry<'_>) -> i32 {
     kv_heads.saturating_mul(g.hq / g.hk.max(1)).min(heads).min(i32::MAX as usize) as i32
 }
 
+/// Bytes of the query-side tensors (Q, dO and the f32 dQ accumulator) that the kv heads of one
+/// chunk of the warp-specialised backward's causal order (`BwdWsParams::longest_first`) may hold
+/// together, as [`CAUSAL_CHUNK_BYTES`] for the forward's K and V.
+const BACKWARD_CHUNK_BYTES: usize = 16 << 20;
+
+/// The warp-specialised backward's tile order (`ws_key_tile_coords` in `flash_bwd.cuh`): under a
+/// causal rule, chunks of this many (sequence, kv head)s, each chunk's first key tiles (the ones
+/// the most query tiles see) first, so that the grid ends on its shortest tiles; as many as
+/// [`BACKWARD_CHUNK_BYTES`] of their query heads' Q, dO (16-bit) and dQ accumulator (f32) hold,
+/// at least one, at most every one. 0 (the plain order, each head's tiles together) without a
+/// causal rule, where every tile has the same query tiles.
+fn backward_chunk_kv_heads(g: &Geometry<'_>) -> i32 {
+    if g.causal == Causal::None {
+        return 0;
+    }
+    let q_head_bytes = g.max_sq.max(1).saturating_mul(2 * g.d + 2 * g.dv + 4 * g.d);
+    let kv_head_bytes = q_head_bytes.saturating_mul((g.hq / g.hk.max(1)).max(1));
+    let heads = g.seqs.len().saturating_mul(g.hk).max(1);
+    (BACKWARD_CHUNK_BYTES / kv_head_bytes).clamp(1, heads).min(i32::MAX as usize) as i32
+}
+
 /// Device addresses of a forward call's buffers.
 #[derive(Debug, Clone, Copy)]
 struct FwdBuffers {
@@ -367,6 +388,8 @@ struct BwdWsParams {
     tile_list: u64,
     /// `i32`s a row of the tile list.
     tile_stride: i64,
+    /// The tile order's chunk of (sequence, kv head)s ([`backward_chunk_kv_heads`]), or 0.
+    longest_first: i32,
 }
 
 // SAFETY: plain-old-data `#[repr(C)]`, mirrored by the kernel.
@@ -1414,6 +1437,7 @@ pub(crate) fn backward<T: CudaElement>(
                 next_tile: base + scratch.counter_offset as u64,
                 tile_list: 0,
                 tile_stride: 0,
+                longest_first: backward_chunk_kv_heads(g),
             };
             // With a block mask (not in deterministic mode, where every key tile takes its turn
             // on each query tile's dQ): each key tile's query tiles with a visible block, listed
@@ -1748,5 +1772,36 @@ mod tests {
         // fit, so chunks of four query heads (GQA groups of 2), the last of six short.
         assert_eq!(chunk(1, 16_000, 6, 3, 128), 4);
         assert_eq!(chunk(1, 1 << 20, 4, 1, 256), 4);
+    }
+
+    #[test]
+    fn backward_chunks_hold_the_kv_heads_whose_queries_fit_the_budget() {
+        let chunk = |b: usize, sq: usize, hq: usize, hk: usize, d: usize, causal: bool| {
+            let q = vec![(); b * sq * hq * d];
+            let kv = vec![(); b * 8 * hk * d];
+            let spec = if causal { AttentionSpec::new().causal() } else { AttentionSpec::new() };
+            let g = Geometry::new(
+                &spec,
+                &Tensor::new(&q, &[b, sq, hq, d]),
+                &Tensor::new(&kv, &[b, 8, hk, d]),
+                &Tensor::new(&kv, &[b, 8, hk, d]),
+            )
+            .expect("geometry");
+            backward_chunk_kv_heads(&g)
+        };
+        // Without a causal rule, the plain order.
+        assert_eq!(chunk(16, 1024, 16, 16, 128, false), 0);
+        // 1k queries of d 128: Q and dO (2 x 256 KiB) and the f32 dQ accumulator (512 KiB) a head,
+        // so 16 heads in 16 MiB (of the 256 here).
+        assert_eq!(chunk(16, 1024, 16, 16, 128, true), 16);
+        // GQA: a kv head counts its group's query heads (8 here: 2 kv heads a chunk).
+        assert_eq!(chunk(16, 1024, 16, 2, 128, true), 2);
+        // All fit: every (sequence, kv head) in one chunk.
+        assert_eq!(chunk(2, 512, 4, 4, 64, true), 8);
+        // One past the budget: a chunk of one.
+        assert_eq!(chunk(1, 40_000, 2, 2, 128, true), 1);
+        // The GPU test `causal_backward_in_head_chunks_meets_the_contract`: 650 queries, groups
+        // of 8, 5.3 MB a kv head: chunks of three.
+        assert_eq!(chunk(2, 650, 16, 2, 128, true), 3);
     }
 }

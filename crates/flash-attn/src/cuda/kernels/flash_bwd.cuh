@@ -112,11 +112,14 @@ struct alignas(128) BwdWsParams {
     int* next_tile;  // the tile scheduler's counter, zero at launch
     // FA_BLOCKS with a block mask, outside deterministic mode: each key tile's query tiles with a
     // visible mask block for some query head of its group, written by flash_bwd_ws_tiles (below);
-    // null otherwise. Row `tile` (key_tile_coords' order), tile_stride ints: the count, then the
+    // null otherwise. Row `tile` (ws_key_tile_coords' order), tile_stride ints: the count, then the
     // query tiles in order, each with BWD_TILE_FULL set where every block under it is on for
     // every head of the group, the interval rules hide nothing and every row is a real query.
     int* tile_list;
     long long tile_stride;
+    // 0: key tiles in key_tile_coords' order; n > 0 (a causal rule): in chunks of n kv heads, each
+    // chunk's first key tiles (the ones the most query tiles see) first (ws_key_tile_coords).
+    int longest_first;
 };
 #define BWD_TILE_FULL (1 << 30)
 #endif
@@ -242,6 +245,29 @@ __device__ __forceinline__ void key_tile_coords(const BwdParams& p, int tile, in
     b = bhk / p.hk;
     hkv = bhk % p.hk;
 }
+
+#if FA_BWD_WS
+// The warp-specialised kernel's scheduler order (`tile`: the counter's value, also the row of the
+// tile list): key_tile_coords' without a chunk size; with one (`longest_first` = n, under a causal
+// rule) the (sequence, kv head)s go in chunks of n, each chunk's key tiles n_block-major, so that
+// the tiles the most query tiles see (the first) are taken first and the grid ends on its shortest
+// ones, while a chunk's heads keep their queries' tiles in L2 together. A (sequence, kv head)'s
+// tiles are still taken in order, the deterministic mode's waits still point at earlier tiles.
+__device__ __forceinline__ void ws_key_tile_coords(const BwdParams& p, int chunk, int tile, int& n_block, int& b,
+                                                   int& hkv) {
+    if (chunk <= 0) {
+        key_tile_coords(p, tile, n_block, b, hkv);
+        return;
+    }
+    const int heads = p.batch * p.hk, per_chunk = chunk * p.num_n_blocks;
+    const int c = tile / per_chunk, r = tile - c * per_chunk, h0 = c * chunk;
+    const int n = min(chunk, heads - h0);  // the last chunk may be short
+    n_block = r / n;
+    const int bhk = h0 + (r - n_block * n);
+    b = bhk / p.hk;
+    hkv = bhk % p.hk;
+}
+#endif
 
 // The block's coordinates, from a fresh read of the block index each call: the kernel re-derives
 // them where it needs them (each work item, the epilogue) instead of holding them in registers
@@ -1547,9 +1573,10 @@ struct FlashBwd {
 
     // The warp-specialised kernel (fixed-length batches), persistent: a grid of at most one block
     // a multiprocessor, whose producer takes key tiles from a counter (the tile scheduler: tiles
-    // in `block_coords`' order, each to whichever block asks next, so that the blocks drawing
+    // in `ws_key_tile_coords`' order, each to whichever block asks next, so that the blocks drawing
     // short tiles take more and the grid ends together, and the tiles running at once are
-    // neighbours that read the same query tiles out of L2).
+    // neighbours that read the same query tiles out of L2; under a causal rule the longest tiles
+    // of a chunk of heads first, so that the grid ends on short ones).
     // Warps 0-7 (the consumers) run the items as `run` does, but without a block-wide barrier:
     // each item's Q, dO, lse·log2(e) and D arrive in a ring of STAGES buffers whose "full"
     // mbarrier they wait for, and whose "empty" one each consumer thread arrives on once its
@@ -1656,7 +1683,7 @@ struct FlashBwd {
                 int per_head = 0;
                 if (tile < tiles) {
                     int n_block, b, hkv, m_lo, m_hi;
-                    key_tile_coords(p, tile, n_block, b, hkv);
+                    ws_key_tile_coords(p, pp.longest_first, tile, n_block, b, hkv);
                     query_tiles(vis, n_block, m_lo, m_hi);
                     per_head = max(m_hi - m_lo, 0);
                     if constexpr (FA_BLOCKS) {
@@ -1876,7 +1903,7 @@ struct FlashBwd {
 
 #if FA_BWD_WS && FA_BLOCKS
 // The tile list of the warp-specialised backward under a block-sparse mask (BwdWsParams::tile_list):
-// a warp per key tile (key_tile_coords' order), launched before the backward on its stream. Of
+// a warp per key tile (ws_key_tile_coords' order), launched before the backward on its stream. Of
 // the query tiles the interval rules let see the key tile (query_tiles'), in order, the ones with
 // a mask block on under them for at least one query head of the kv head's group, flagged
 // BWD_TILE_FULL where every block is on for every head, every row is a real query and the
@@ -1890,7 +1917,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_ws_tiles(const __gri
     const long long row = (long long)blockIdx.x * 4 + threadIdx.x / 32;
     if (row >= (long long)p.num_n_blocks * p.batch * p.hk) return;
     int n_block, b, hkv;
-    key_tile_coords(p, (int)row, n_block, b, hkv);
+    ws_key_tile_coords(p, pp.longest_first, (int)row, n_block, b, hkv);
     const Visibility vis{p.sq, p.sk, p.sk - p.sq, p.causal, p.window_left, p.window_right};
     int m_lo, m_hi;
     K::query_tiles(vis, n_block, m_lo, m_hi);
