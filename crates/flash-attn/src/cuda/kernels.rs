@@ -246,11 +246,11 @@ impl Variant {
     /// Hopper kernel keeps two buffers each of K and V in 64-column blocks (a 96 tile takes two,
     /// as a 128 one does), and 1 KiB of slack to align the tiles to the 1024-byte period of the
     /// 128-byte swizzle. The warp-specialised kernel: two Q tiles, its rings, its mbarriers and
-    /// the item indices of the Q tiles.
+    /// the item slots of the Q tiles (32 bytes each).
     pub fn smem_bytes(&self) -> usize {
         if self.ws {
             let stages = self.ws_stages();
-            (2 * self.block_rows() + 2 * stages * self.bc) * self.smem_row() * 2 + 8 * (4 + 4 * stages) + 8 + 1024
+            (2 * self.block_rows() + 2 * stages * self.bc) * self.smem_row() * 2 + 8 * (4 + 4 * stages) + 64 + 1024
         } else if self.wgmma {
             (self.block_rows() + 4 * self.bc) * self.smem_row() * 2 + 1024
         } else {
@@ -891,10 +891,10 @@ impl Fp8Variant {
 
     /// Dynamic shared memory: the Q tile (two in the warp-specialised kernel, whose producer loads
     /// the next work item's while the consumers finish one) and the stages of K and transposed V
-    /// tiles (one byte an element), the warp-specialised kernel's mbarriers and item indices, and
+    /// tiles (one byte an element), the warp-specialised kernel's mbarriers and item slots, and
     /// 1 KiB of slack to align the tiles to the 128-byte swizzle's 1024-byte period.
     pub fn smem_bytes(&self) -> usize {
-        let (q_tiles, bars) = if self.ws { (2, 8 * (4 + 4 * self.stages()) + 8) } else { (1, 0) };
+        let (q_tiles, bars) = if self.ws { (2, 8 * (4 + 4 * self.stages()) + 64) } else { (1, 0) };
         (q_tiles * self.block_rows() + 2 * self.stages() * self.bc) * self.d + bars + 1024
     }
 

@@ -134,11 +134,13 @@ struct FlashFwdWs {
     static constexpr int V_BYTES = BC * DP * ESIZE;
     static constexpr int STAGES = K_BYTES <= 16384 ? 4 : 2;  // per ring
     // Two Q buffers, the K ring, the V ring, then the mbarriers (8 bytes each: Q full and empty,
-    // two each; K full and empty, V full and empty, STAGES each), then each Q buffer's item index.
+    // two each; K full and empty, V full and empty, STAGES each), then each Q buffer's item slot
+    // (ITEM_SLOT bytes: its index, then its sequence, head, first row and rows, for the epilogue).
     static constexpr int K_RING = 2 * Q_BYTES, V_RING = K_RING + STAGES * K_BYTES;
     static constexpr int BAR_OFFSET = V_RING + STAGES * V_BYTES;
     static constexpr int ITEM_OFFSET = BAR_OFFSET + 8 * (4 + 4 * STAGES);
-    static constexpr int SMEM_BYTES = ITEM_OFFSET + 8;
+    static constexpr int ITEM_SLOT = 32;
+    static constexpr int SMEM_BYTES = ITEM_OFFSET + 2 * ITEM_SLOT;
     static_assert(SMEM_BYTES + 1024 <= 232448, "shared memory of one block a multiprocessor");
     // S of the next tile and P·V of the previous one in flight together needs the score,
     // probability and output registers at once: at D = 256 the output alone takes 128.
@@ -262,7 +264,7 @@ struct FlashFwdWs {
         const u32 bar_q_full = sQ + BAR_OFFSET, bar_q_empty = bar_q_full + 16;
         const u32 bar_k_full = bar_q_empty + 16, bar_k_empty = bar_k_full + 8 * STAGES;
         const u32 bar_v_full = bar_k_empty + 8 * STAGES, bar_v_empty = bar_v_full + 8 * STAGES;
-        const u32 item_of_q = sQ + ITEM_OFFSET;  // int[2]: each Q buffer's item
+        const u32 item_of_q = sQ + ITEM_OFFSET;  // each Q buffer's item slot (ITEM_SLOT bytes)
         if (tid == 0) {
             for (int qb = 0; qb < 2; ++qb) {
                 mbar_init(bar_q_full + 8 * qb, 1);
@@ -290,13 +292,21 @@ struct FlashFwdWs {
                     if (qi >= 2) mbar_wait(bar_q_empty + 8 * qb, (u32)((qi / 2 - 1) & 1));
                     const u32 q_full = bar_q_full + 8 * qb, sQb = sQ + (u32)(qb * Q_BYTES);
                     if constexpr (SCHEDULED) {
-                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(item_of_q + 4 * qb), "r"(i) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(item_of_q + ITEM_SLOT * qb), "r"(i) : "memory");
                         if (i >= items) {
                             mbar_arrive(q_full);
                             break;
                         }
                     }
                     const Item w = item_of(pp, vis, i);
+                    // The item's place, for the consumers' epilogue (released by the arrival below).
+                    {
+                        const u32 slot = item_of_q + (u32)(ITEM_SLOT * qb);
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot + 4), "r"(w.b) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot + 8), "r"(w.h) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot + 12), "r"(w.row0) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot + 16), "r"(w.rows_valid) : "memory");
+                    }
                     mbar_expect_tx(q_full, Q_BYTES);
 #pragma unroll
                     for (int c = 0; c < ROW_BLOCKS; ++c)
@@ -436,7 +446,7 @@ struct FlashFwdWs {
                 auto item_index = [&]() {
                     int i = stride_i;
                     if (S)
-                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(i) : "r"(item_of_q + 4 * qb) : "memory");
+                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(i) : "r"(item_of_q + ITEM_SLOT * qb) : "memory");
                     return i;
                 };
                 if (S) {
@@ -588,7 +598,7 @@ struct FlashFwdWs {
                     int next = !FUSE ? items : S ? items : stride_i + (int)gridDim.x;
                     if (FUSE && S) {
                         mbar_wait(bar_q_full + 8 * nb, (u32)(((qi + 1) / 2) & 1));
-                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(next) : "r"(item_of_q + 4 * nb) : "memory");
+                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(next) : "r"(item_of_q + ITEM_SLOT * nb) : "memory");
                     }
                     Item nx{};
                     if (FUSE && next < items) {
@@ -638,9 +648,19 @@ struct FlashFwdWs {
                 // them, so no block-wide barrier; then the buffer goes back to the producer.
                 float lse[2];
                 ws_finish(o, row_max, row_sum, scale_log2, drop ? pp.f.v_descale * p.dropout.scale : pp.f.v_descale, lse);
-                // The item's place, recomputed rather than kept live through the loop (at D = 256 the
-                // registers are all taken by then).
-                const Item w = item_at(p, vis, S ? item_index() : (int)opaque((u32)stride_i));
+                // The item's place, as the producer left it in the Q buffer's slot (which it rewrites
+                // only after this buffer's "empty" arrival below): recomputing it here (integer
+                // divisions, the visibility rule's key range) took ~500-780 cycles of a 512-row
+                // item's ~10 000 with the tensor cores idle, and keeping it in registers through the
+                // loop cost the d = 64 loop up to 8% (H200, session 58).
+                Item w{};
+                {
+                    const u32 slot = item_of_q + (u32)(ITEM_SLOT * qb);
+                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.b) : "r"(slot + 4) : "memory");
+                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.h) : "r"(slot + 8) : "memory");
+                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.row0) : "r"(slot + 12) : "memory");
+                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.rows_valid) : "r"(slot + 16) : "memory");
+                }
                 const int g = lane >> 2, t = lane & 3;
                 u16* gO = p.o + w.b * p.o_batch + (long long)(w.row0 + warp_row) * p.o_row + w.h * p.o_head;
                 float* gL = p.lse + w.b * p.lse_batch + w.h * p.lse_head + w.row0 + warp_row;
